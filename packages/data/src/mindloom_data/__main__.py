@@ -1,0 +1,3 @@
+from mindloom_data._cli import main
+
+raise SystemExit(main())
