@@ -1,5 +1,7 @@
-"""mindloom_tokenizer: see the package README."""
+"""mindloom_tokenizer: train, load, evaluate and export tokenizers (see the package README)."""
 
 from mindloom_tokenizer.__about__ import __version__
+from mindloom_tokenizer._tokenizer import Tokenizer, TokenizerError
+from mindloom_tokenizer._train import train_tokenizer
 
-__all__ = ["__version__"]
+__all__ = ["Tokenizer", "TokenizerError", "__version__", "train_tokenizer"]
