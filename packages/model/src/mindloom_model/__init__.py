@@ -1,5 +1,27 @@
-"""mindloom_model: see the package README."""
+"""mindloom_model: a Llama-family decoder in MindSpore. See the package README."""
 
 from mindloom_model.__about__ import __version__
+from mindloom_model._generate import generate
+from mindloom_model._hf import HFFormatError, load_hf, save_hf
+from mindloom_model._llama import (
+    Llama,
+    LlamaWithLoss,
+    ModelConfig,
+    causal_lm_loss,
+    get_preset,
+    preset_names,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "HFFormatError",
+    "Llama",
+    "LlamaWithLoss",
+    "ModelConfig",
+    "__version__",
+    "causal_lm_loss",
+    "generate",
+    "get_preset",
+    "load_hf",
+    "preset_names",
+    "save_hf",
+]

@@ -1,0 +1,589 @@
+"""A Llama-family decoder in MindSpore, in one file (in the spirit of nanoGPT's model.py).
+
+Shapes in comments: B batch, S sequence, D model width (hidden), H query heads,
+KV key/value heads, Dh head width, F feed-forward width, V vocabulary.
+
+Layout (parameter names are the attribute paths, see docs/contracts.md):
+
+    embed                       Embedding   weight [V, D]
+    layers.{i}.attn_norm        RMSNorm     weight [D]
+    layers.{i}.attn.wq/wk/wv/wo Linear      weight [out, in], no bias
+    layers.{i}.mlp_norm         RMSNorm     weight [D]
+    layers.{i}.mlp.w1/w2/w3     Linear      gate / down / up projections
+    norm                        RMSNorm     weight [D]
+    lm_head                     Linear      weight [V, D]; absent when tied to embed
+
+Every projection is a small `Linear` held as an attribute, and attention reads its head
+counts from instance attributes, so tensor/sequence parallelism can be applied from
+outside by replacing those attributes (torchtitan-style), without editing this file.
+
+Attention boundaries: token i may attend to token j only if j <= i (causal) AND
+segment_ids[i] == segment_ids[j] (same packed document). Position ids drive RoPE, so a
+packed document restarts at position 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+log = logging.getLogger("mindloom_model")
+
+_DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64  # D
+    num_layers: int = 2
+    num_heads: int = 4  # H, query heads
+    num_kv_heads: int | None = None  # KV; None = num_heads (multi-head); < H = grouped-query
+    ffn_hidden_size: int | None = None  # F; None = Llama rule: 8/3 * D rounded up to multiple_of
+    multiple_of: int = 256  # rounding for the Llama FFN rule
+    max_seq_len: int = 32  # the context the model is trained for (HF max_position_embeddings)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False  # lm_head shares embed.weight
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
+    # precision policy: parameters (master weights) are kept in param_dtype; matmuls run
+    # in compute_dtype; norms, softmax, logits and the loss are always fp32.
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" | "float16" | "float32"
+    # initialization: normal(0, init_std); wo and w2 additionally scaled by 1/sqrt(2*layers)
+    init_std: float = 0.02
+    embed_init_std: float | None = None  # None = init_std
+    head_init_std: float | None = None  # None = init_std (untied head only)
+    init_seed: int = 0
+    # activation recompute: "none" | "full" (every layer) | "selected" (recompute_layers)
+    recompute: str = "none"
+    recompute_layers: list[int] = field(default_factory=list)
+    # "eager" is the portable ops path; "flash" uses ops.flash_attention_score on Ascend
+    # and falls back to "eager" elsewhere (logged once)
+    attention_impl: str = "eager"
+
+    def __post_init__(self):
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size is None:
+            f = int(2 * 4 * self.hidden_size / 3)
+            self.ffn_hidden_size = self.multiple_of * math.ceil(f / self.multiple_of)
+        self.recompute_layers = list(self.recompute_layers)
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        def bad(msg):
+            raise ValueError(f"model config: {msg}")
+
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(f"{key} must be a positive integer, found {v!r}")
+        if self.hidden_size % self.num_heads:
+            bad(f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            bad(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            bad(f"head_dim={self.head_dim} (hidden_size/num_heads) must be even for RoPE")
+        if self.param_dtype not in _DTYPES:
+            bad(f"param_dtype must be one of {sorted(_DTYPES)}, found {self.param_dtype!r}")
+        if self.compute_dtype not in _DTYPES:
+            bad(f"compute_dtype must be one of {sorted(_DTYPES)}, found {self.compute_dtype!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            bad(f"dropout must be in [0, 1), found {self.dropout!r}")
+        if self.recompute not in ("none", "full", "selected"):
+            bad(f"recompute must be 'none', 'full' or 'selected', found {self.recompute!r}")
+        for i in self.recompute_layers:
+            if not 0 <= i < self.num_layers:
+                bad(f"recompute_layers entry {i} is not a layer index in [0, {self.num_layers})")
+        if self.attention_impl not in ("eager", "flash"):
+            bad(f"attention_impl must be 'eager' or 'flash', found {self.attention_impl!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"model config: unknown key {key!r}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Exact number of parameters of `Llama(self)`.
+
+        include_embeddings=False leaves out the token embedding table (a lookup, not a
+        matmul); an untied lm_head is a matmul and stays in.
+        """
+        d, f, dh = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        attn = d * self.num_heads * dh * 2 + d * self.num_kv_heads * dh * 2  # wq, wo, wk, wv
+        per_layer = attn + 3 * d * f + 2 * d  # + w1, w2, w3 + two norms
+        n = self.num_layers * per_layer + d  # + final norm
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        n += head
+        if include_embeddings:
+            n += self.vocab_size * d
+        return n
+
+    def flops_per_token(self, seq_length: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), the MFU numerator.
+
+        6 * N_matmul + 12 * L * H * Dh * S, where N_matmul counts every weight used in a
+        matmul (all non-embedding parameters plus the output head, also when it is tied)
+        and the second term is the attention score and value products (2 matmuls of
+        2*S*H*Dh FLOPs per token per layer forward, times 3 for forward+backward),
+        counted over the full S x S square as in PaLM's MFU definition.
+        """
+        s = self.max_seq_len if seq_length is None else seq_length
+        n_matmul = self.num_params(include_embeddings=False)
+        if self.tie_embeddings:
+            n_matmul += self.vocab_size * self.hidden_size
+        return 6.0 * n_matmul + 12.0 * self.num_layers * self.num_heads * self.head_dim * s
+
+
+_PRESETS = {
+    # runs in seconds on CPU; GQA on so the tests exercise it
+    "debug": dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        max_seq_len=32,
+    ),
+    # nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, char vocab 65)
+    "shakespeare-char": dict(
+        vocab_size=65,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        ffn_hidden_size=384,
+        max_seq_len=64,
+        tie_embeddings=True,
+    ),
+    # ~17M parameters with its untied head
+    "17m": dict(
+        vocab_size=8000,
+        hidden_size=384,
+        num_layers=6,
+        num_heads=6,
+        ffn_hidden_size=1024,
+        max_seq_len=256,
+    ),
+    # the seed user's 1B table: bf16 compute, norms/softmax in fp32
+    "llama-1b": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        num_layers=24,
+        num_heads=16,
+        ffn_hidden_size=4096,
+        max_seq_len=2048,
+        compute_dtype="bfloat16",
+    ),
+    "llama2-7b": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        ffn_hidden_size=11008,
+        max_seq_len=4096,
+        compute_dtype="bfloat16",
+    ),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(_PRESETS)}")
+    return ModelConfig.from_dict({**_PRESETS[name], **overrides})
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+# ----------------------------------------------------------------------------- precision
+
+_low_precision_ok: dict[str, bool] = {}
+
+
+def resolve_compute_dtype(name: str):
+    """The dtype matmuls actually run in: `name`, or fp32 where the backend lacks the kernel.
+
+    Probed once per dtype with a tiny MatMul (MindSpore's CPU backend has no bf16 MatMul),
+    and the fallback is logged once per process.
+    """
+    if name == "float32":
+        return ms.float32
+    if name not in _low_precision_ok:
+        x = Tensor(np.ones((2, 2), np.float32)).astype(_DTYPES[name])
+        try:
+            ops.MatMul(transpose_b=True)(x, x).asnumpy()
+            _low_precision_ok[name] = True
+        except (RuntimeError, TypeError, ValueError):
+            _low_precision_ok[name] = False
+            log.warning(
+                "compute_dtype=%s: the %s backend has no %s MatMul kernel; computing in float32",
+                name,
+                ms.get_context("device_target"),
+                name,
+            )
+    return _DTYPES[name] if _low_precision_ok[name] else ms.float32
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _normal(rng: np.random.Generator, shape, std: float) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+class Linear(nn.Cell):
+    """y = x @ weight.T, weight [out, in], no bias. Runs in compute_dtype, returns compute_dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight: np.ndarray,
+        param_dtype=ms.float32,
+        compute_dtype=ms.float32,
+    ):
+        super().__init__()
+        assert weight.shape == (out_features, in_features), (
+            weight.shape,
+            out_features,
+            in_features,
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+        self.weight = Parameter(Tensor(weight, param_dtype), name="weight")
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        # x [..., in] -> [..., out]; a 2-D MatMul is the fastest kernel on every backend
+        lead = x.shape[:-1]
+        w = self.weight
+        if self.compute_dtype != w.dtype:
+            w = w.astype(self.compute_dtype)
+        y = self.matmul(x.reshape(-1, self.in_features), w)
+        return y.reshape(lead + (self.out_features,))
+
+
+class Embedding(nn.Cell):
+    """tokens [B, S] int -> [B, S, D] compute dtype; weight [V, D]."""
+
+    def __init__(self, weight: np.ndarray, param_dtype=ms.float32, compute_dtype=ms.float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.compute_dtype = compute_dtype
+        self.weight = Parameter(Tensor(weight, param_dtype), name="weight")
+
+    def construct(self, tokens):
+        return ops.gather(self.weight, tokens, 0).astype(self.compute_dtype)
+
+
+class RMSNorm(nn.Cell):
+    """x / rms(x) * weight, normalized in fp32 (as Hugging Face Llama does)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype=ms.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32), param_dtype), name="weight")
+
+    def construct(self, x):
+        # x [..., D] in compute dtype -> same dtype
+        h = x.astype(ms.float32)
+        h = h * ops.rsqrt(ops.mean(h * h, -1, keep_dims=True) + self.eps)
+        return self.weight.astype(x.dtype) * h.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+    # [Dh/2]: 1 / theta^(2i/Dh), computed like Hugging Face (fp32 from an int64 arange)
+    return 1.0 / (
+        theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    )
+
+
+def rope_cos_sin(position_ids, inv_freq):
+    """position_ids [B, S] int, inv_freq [Dh/2] fp32 -> cos, sin [B, 1, S, Dh] fp32.
+
+    Hugging Face's layout: the two halves of each head repeat the same frequencies, and
+    `rotate_half` pairs element i with i + Dh/2 (HF's checkpoints are permuted for it), so
+    HF weights load here unchanged.
+    """
+    freqs = position_ids.astype(ms.float32).expand_dims(-1) * inv_freq  # [B, S, Dh/2]
+    emb = ops.concat((freqs, freqs), -1).expand_dims(1)  # [B, 1, S, Dh]
+    return ops.cos(emb), ops.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    # x [B, h, S, Dh]; rotate_half(x) = [-x2, x1]
+    half = x.shape[-1] // 2
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    rotated = ops.concat((-x2, x1), -1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+def attention_bias(seq_len: int, segment_ids=None, causal=None):
+    """Additive mask [B or 1, 1, S, S] fp32: 0 where allowed, -1e9 where not.
+
+    Allowed: key j <= query i (causal) AND segment_ids[i] == segment_ids[j].
+    `causal` is an optional precomputed [S, S] bool lower-triangular tensor.
+    """
+    if causal is None:
+        causal = Tensor(np.tril(np.ones((seq_len, seq_len), np.bool_)))
+    allowed = causal.expand_dims(0)  # [1, S, S]
+    if segment_ids is not None:
+        same = segment_ids.expand_dims(2) == segment_ids.expand_dims(1)  # [B, S, S]
+        allowed = ops.logical_and(allowed, same)
+    zero = ops.zeros((), ms.float32)
+    neg = ops.fill(ms.float32, (), -1e9)
+    return ops.select(
+        allowed, zero.broadcast_to(allowed.shape), neg.broadcast_to(allowed.shape)
+    ).expand_dims(1)
+
+
+def attention(q, k, v, bias, n_rep: int, dropout=None):
+    """Scaled dot-product attention, softmax in fp32.
+
+    q [B, H, S, Dh], k/v [B, KV, T, Dh] (T = S, or cached length in generation),
+    bias [B|1, 1, S, T] additive fp32 -> [B, H, S, Dh] in q's dtype.
+    Grouped-query: query head h reads kv head h // n_rep (Hugging Face's repeat_kv).
+    """
+    if n_rep > 1:
+        b, kv, t, dh = k.shape
+        k = k.expand_dims(2).broadcast_to((b, kv, n_rep, t, dh)).reshape(b, kv * n_rep, t, dh)
+        v = v.expand_dims(2).broadcast_to((b, kv, n_rep, t, dh)).reshape(b, kv * n_rep, t, dh)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = ops.BatchMatMul(transpose_b=True)(q, k).astype(ms.float32) * scale  # [B, H, S, T]
+    probs = ops.softmax(scores + bias, -1).astype(q.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return ops.BatchMatMul()(probs, v)  # [B, H, S, Dh]
+
+
+_flash_warned = False
+
+
+def _use_flash(cfg: ModelConfig) -> bool:
+    global _flash_warned
+    if cfg.attention_impl != "flash":
+        return False
+    if ms.get_context("device_target") == "Ascend":
+        return True
+    if not _flash_warned:
+        _flash_warned = True
+        log.warning("attention_impl=flash needs Ascend; using the portable eager attention")
+    return False
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype):
+        super().__init__()
+        d, dh = cfg.hidden_size, cfg.head_dim
+        # local head counts: a tensor-parallel wrapper divides these by tp
+        self.n_heads = cfg.num_heads
+        self.n_kv_heads = cfg.num_kv_heads
+        self.head_dim = dh
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        lin = lambda i, o, std: Linear(i, o, _normal(rng, (o, i), std), param_dtype, compute_dtype)  # noqa: E731
+        self.wq = lin(d, cfg.num_heads * dh, cfg.init_std)
+        self.wk = lin(d, cfg.num_kv_heads * dh, cfg.init_std)
+        self.wv = lin(d, cfg.num_kv_heads * dh, cfg.init_std)
+        self.wo = lin(cfg.num_heads * dh, d, out_std)
+        self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.flash = _use_flash(cfg)
+
+    def qkv(self, x, cos, sin):
+        # x [B, S, D] -> q [B, H, S, Dh], k/v [B, KV, S, Dh], RoPE applied to q and k
+        b, s, _ = x.shape
+        q = self.wq(x).reshape(b, s, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.wk(x).reshape(b, s, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.wv(x).reshape(b, s, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o):
+        # o [B, H, S, Dh] -> [B, S, D]
+        b, h, s, dh = o.shape
+        return self.wo(o.transpose(0, 2, 1, 3).reshape(b, s, h * dh))
+
+    def construct(self, x, cos, sin, bias):
+        q, k, v = self.qkv(x, cos, sin)
+        if self.flash:
+            o = _flash_attention(q, k, v, bias, self.n_heads)
+        else:
+            o = attention(q, k, v, bias, self.n_heads // self.n_kv_heads, self.attn_dropout)
+        return self.out(o)
+
+
+def _flash_attention(q, k, v, bias, n_heads):
+    # Ascend's fused kernel takes a keep/drop mask (1 = masked out) and handles GQA itself
+    drop = (bias < -1.0).astype(ms.uint8)
+    return ops.flash_attention_score(
+        q,
+        k,
+        v,
+        n_heads,
+        attn_mask=drop,
+        scalar_value=1.0 / math.sqrt(q.shape[-1]),
+        input_layout="BNSD",
+    )
+
+
+class MLP(nn.Cell):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype):
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.ffn_hidden_size
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.w1 = Linear(d, f, _normal(rng, (f, d), cfg.init_std), param_dtype, compute_dtype)
+        self.w2 = Linear(f, d, _normal(rng, (d, f), out_std), param_dtype, compute_dtype)
+        self.w3 = Linear(d, f, _normal(rng, (f, d), cfg.init_std), param_dtype, compute_dtype)
+
+    def construct(self, x):
+        # x [B, S, D] -> [B, S, F] -> [B, S, D]
+        return self.w2(ops.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Cell):
+    """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.attn = Attention(cfg, rng, param_dtype, compute_dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.mlp = MLP(cfg, rng, param_dtype, compute_dtype)
+        self.resid_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+
+    def construct(self, x, cos, sin, bias):
+        # x [B, S, D]
+        h = self.attn(self.attn_norm(x), cos, sin, bias)
+        if self.resid_dropout is not None:
+            h = self.resid_dropout(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.resid_dropout is not None:
+            h = self.resid_dropout(h)
+        return x + h
+
+
+class Llama(nn.Cell):
+    """tokens [B, S] int32 (+ optional position_ids, segment_ids [B, S]) -> logits [B, S, V] fp32."""
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        param_dtype = _DTYPES[cfg.param_dtype]
+        compute_dtype = resolve_compute_dtype(cfg.compute_dtype)
+        self.compute_dtype = compute_dtype
+        # one generator, consumed in module order, so the same seed gives the same weights
+        rng = np.random.default_rng(cfg.init_seed if seed is None else seed)
+        embed_std = cfg.init_std if cfg.embed_init_std is None else cfg.embed_init_std
+        head_std = cfg.init_std if cfg.head_init_std is None else cfg.head_init_std
+        d, v = cfg.hidden_size, cfg.vocab_size
+
+        self.embed = Embedding(_normal(rng, (v, d), embed_std), param_dtype, compute_dtype)
+        self.embed_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.layers = nn.CellList(
+            [Block(cfg, rng, param_dtype, compute_dtype) for _ in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
+        self.tie_embeddings = cfg.tie_embeddings
+        if not cfg.tie_embeddings:
+            self.lm_head = Linear(d, v, _normal(rng, (v, d), head_std), param_dtype, compute_dtype)
+        self.inv_freq = Tensor(rope_inv_freq(cfg.head_dim, cfg.rope_theta))  # [Dh/2] constant
+        self.causal = Tensor(np.tril(np.ones((cfg.max_seq_len, cfg.max_seq_len), np.bool_)))
+        self.positions = Tensor(np.arange(cfg.max_seq_len, dtype=np.int32)[None])  # [1, S_max]
+        self.head_matmul = ops.MatMul(transpose_b=True)
+        for i in recompute_layer_ids(cfg):
+            self.layers[i].recompute()
+
+    def construct(self, tokens, position_ids=None, segment_ids=None):
+        b, s = tokens.shape
+        if position_ids is None:
+            position_ids = self.positions[:, :s]  # [1, S]
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
+        bias = attention_bias(s, segment_ids, self.causal[:s, :s])  # [B|1, 1, S, S]
+        x = self.embed(tokens)  # [B, S, D]
+        if self.embed_dropout is not None:
+            x = self.embed_dropout(x)
+        for layer in self.layers:
+            x = layer(x, cos, sin, bias)
+        x = self.norm(x)
+        return self.head(x)
+
+    def head(self, x):
+        # x [B, S, D] -> logits [B, S, V] fp32
+        if self.tie_embeddings:
+            w = self.embed.weight
+            if w.dtype != x.dtype:
+                w = w.astype(x.dtype)
+            b, s, d = x.shape
+            logits = self.head_matmul(x.reshape(-1, d), w).reshape(b, s, -1)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(ms.float32)
+
+
+def recompute_layer_ids(cfg: ModelConfig) -> list[int]:
+    if cfg.recompute == "full":
+        return list(range(cfg.num_layers))
+    if cfg.recompute == "selected":
+        return sorted(set(cfg.recompute_layers))
+    return []
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def causal_lm_loss(logits, labels, loss_mask=None):
+    """Mean next-token cross entropy over loss_mask, in fp32.
+
+    logits [B, S, V] fp32, labels [B, S] int32, loss_mask [B, S] float (None = all ones)
+    -> scalar. Positions with mask 0 contribute nothing, whatever their label.
+    """
+    v = logits.shape[-1]
+    flat = logits.reshape(-1, v).astype(ms.float32)  # [B*S, V]
+    logp = ops.log_softmax(flat, -1)
+    # negative labels (e.g. -100 padding) are clamped to 0; loss_mask must zero them out
+    idx = ops.maximum(labels.reshape(-1, 1).astype(ms.int32), 0)
+    nll = -ops.gather_elements(logp, 1, idx).reshape(-1)  # [B*S]
+    if loss_mask is None:
+        return nll.mean()
+    m = loss_mask.reshape(-1).astype(ms.float32)
+    return (nll * m).sum() / ops.maximum(m.sum(), ops.ones((), ms.float32))
+
+
+class LlamaWithLoss(nn.Cell):
+    """The train-step forward: (tokens, labels, position_ids, segment_ids, loss_mask) -> loss."""
+
+    def __init__(self, model: nn.Cell):
+        super().__init__(auto_prefix=False)  # keep the model's parameter names
+        self.model = model
+
+    def construct(self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None):
+        logits = self.model(tokens, position_ids, segment_ids)
+        return causal_lm_loss(logits, labels, loss_mask)

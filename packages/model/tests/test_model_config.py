@@ -1,0 +1,120 @@
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from mindloom_model import Llama, ModelConfig, get_preset, preset_names
+
+
+def test_presets_exist_and_match_the_issue():
+    assert preset_names() == ["debug", "shakespeare-char", "17m", "llama-1b", "llama2-7b"]
+    sc = get_preset("shakespeare-char")
+    assert (sc.num_layers, sc.num_heads, sc.hidden_size, sc.max_seq_len, sc.vocab_size) == (
+        4,
+        4,
+        128,
+        64,
+        65,
+    )
+    m17 = get_preset("17m")
+    assert (m17.num_layers, m17.hidden_size, m17.num_heads, m17.max_seq_len, m17.vocab_size) == (
+        6,
+        384,
+        6,
+        256,
+        8000,
+    )
+    assert 16e6 < m17.num_params() < 18e6
+    b1 = get_preset("llama-1b")
+    assert (
+        b1.hidden_size,
+        b1.num_layers,
+        b1.num_heads,
+        b1.ffn_hidden_size,
+        b1.vocab_size,
+        b1.max_seq_len,
+    ) == (1024, 24, 16, 4096, 32000, 2048)
+    assert b1.compute_dtype == "bfloat16"
+    # Llama-2-7B's published parameter count
+    assert get_preset("llama2-7b").num_params() == 6_738_415_616
+
+
+def test_unknown_preset_is_one_line():
+    with pytest.raises(ValueError, match="unknown model preset 'nope'") as e:
+        get_preset("nope")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(hidden_size=64, num_heads=5), "num_heads=5 does not divide hidden_size=64"),
+        (
+            dict(hidden_size=64, num_heads=4, num_kv_heads=3),
+            "num_kv_heads=3 does not divide num_heads=4",
+        ),
+        (dict(recompute="some"), "recompute must be"),
+        (dict(recompute="selected", recompute_layers=[5]), "recompute_layers entry 5"),
+        (dict(compute_dtype="int8"), "compute_dtype must be one of"),
+        (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    ],
+)
+def test_bad_config_is_one_clear_line(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        ModelConfig(**kwargs)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match="unknown key 'hiden_size'"):
+        get_preset("debug", hiden_size=3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_num_params_matches_the_real_model(tied):
+    cfg = get_preset("debug", tie_embeddings=tied)
+    model = Llama(cfg)
+    real = sum(p.size for p in model.get_parameters())
+    assert cfg.num_params() == real
+    emb = model.embed.weight.size
+    assert cfg.num_params(include_embeddings=False) == real - emb
+    assert hasattr(model, "lm_head") is not tied
+
+
+def test_flops_per_token_formula():
+    cfg = get_preset("17m")
+    n = cfg.num_params(include_embeddings=False)
+    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 256
+    assert cfg.flops_per_token(256) == 6 * n + attn
+    tied = get_preset("shakespeare-char")
+    # the tied head is still a matmul: counted once in the FLOPs
+    head = tied.vocab_size * tied.hidden_size
+    assert (
+        tied.flops_per_token(64)
+        == 6 * (tied.num_params(include_embeddings=False) + head) + 12 * 4 * 4 * 32 * 64
+    )
+
+
+def test_forward_shapes_and_dtype():
+    model = Llama(get_preset("debug"))
+    tokens = Tensor(np.zeros((2, 16), np.int32))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 256)
+    assert str(logits.dtype) == "Float32"
+
+
+def test_parameter_names_follow_the_contract():
+    names = [p.name for p in Llama(get_preset("debug")).get_parameters()]
+    assert names[:10] == [
+        "embed.weight",
+        "layers.0.attn_norm.weight",
+        "layers.0.attn.wq.weight",
+        "layers.0.attn.wk.weight",
+        "layers.0.attn.wv.weight",
+        "layers.0.attn.wo.weight",
+        "layers.0.mlp_norm.weight",
+        "layers.0.mlp.w1.weight",
+        "layers.0.mlp.w2.weight",
+        "layers.0.mlp.w3.weight",
+    ]
+    assert names[-2:] == ["norm.weight", "lm_head.weight"]
