@@ -16,6 +16,7 @@ import io
 import os
 import random
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,7 @@ from mindloom_tokenizer._tokenizer import (
 
 MODEL_TYPES = ("bpe", "unigram", "char")
 PROGRESS_EVERY_S = 2.0
+HEARTBEAT_S = 10.0
 
 
 def train_tokenizer(
@@ -178,6 +180,7 @@ def train_tokenizer(
             user_defined_symbols=list(user_defined_symbols),
             options=options,
             verbose=verbose,
+            say=say,
         )
         del sentences
     train_s = time.monotonic() - t1
@@ -392,6 +395,7 @@ def _train_sentencepiece(
     user_defined_symbols,
     options,
     verbose,
+    say,
 ) -> bytes:
     import sentencepiece as spm
 
@@ -436,6 +440,16 @@ def _train_sentencepiece(
         kwargs["user_defined_symbols"] = user_defined_symbols
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
+    # SentencePiece releases the GIL while it trains, so a heartbeat can show progress.
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            say(f"  training ... {time.monotonic() - t0:.0f}s")
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences), model_writer=writer, **kwargs
@@ -456,6 +470,9 @@ def _train_sentencepiece(
             ) from None
         msg = re.sub(r"^.*?\] ", "", msg)  # drop SentencePiece's C++ file/line prefix
         raise TokenizerError(f"SentencePiece training failed: {msg}") from None
+    finally:
+        stop.set()
+        beat.join()
     return writer.getvalue()
 
 

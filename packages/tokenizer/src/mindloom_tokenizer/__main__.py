@@ -1,0 +1,3 @@
+from mindloom_tokenizer._cli import main
+
+raise SystemExit(main())

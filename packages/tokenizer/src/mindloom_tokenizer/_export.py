@@ -1,0 +1,196 @@
+"""Export to a Hugging Face `tokenizer.json` built with the `tokenizers` library.
+
+The export reproduces SentencePiece's ids, not just its vocabulary:
+
+- BPE: the merges are derived from the piece scores (SentencePiece merges the pair whose
+  result has the highest score; Hugging Face merges the lowest-ranked pair), so merges are
+  ranked by the score of the piece they produce.
+- Whitespace: spaces become U+2581 and one U+2581 is prepended to the whole text, as
+  SentencePiece's `add_dummy_prefix` does, also when the text starts with a space.
+- Control symbols (BOS, EOS, PAD, ...) are special tokens. SentencePiece never produces
+  them from text; Hugging Face does when the literal string (e.g. "<s>") occurs in text,
+  unless `encode_special_tokens` is set (transformers: `split_special_tokens=True`, which
+  the written `tokenizer_config.json` sets). That flag is not stored in tokenizer.json.
+- No BOS/EOS are added on encode, as `Tokenizer.encode`.
+
+`tokenizer_config.json` is written next to it so `transformers.AutoTokenizer` can load the
+directory and knows the BOS/EOS/UNK/PAD tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mindloom_tokenizer._io import write_bytes_atomic, write_json_atomic
+from mindloom_tokenizer._tokenizer import HF_FILE, Tokenizer, TokenizerError
+
+HF_CONFIG_FILE = "tokenizer_config.json"
+SPIECE_UNDERLINE = "\u2581"
+
+
+def export_hf(
+    tokenizer: Tokenizer | str | os.PathLike, out_dir: str | os.PathLike | None = None
+) -> str:
+    """Write `tokenizer.json` (+ `tokenizer_config.json`) and return the tokenizer.json path.
+
+    `out_dir` defaults to the tokenizer's own directory.
+    """
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+    if out_dir is None:
+        if tok.path is None:
+            raise TokenizerError("give out_dir: this tokenizer was not loaded from a directory")
+        out_dir = tok.path if os.path.isdir(tok.path) else os.path.dirname(tok.path) or "."
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    hf = build_hf_tokenizer(tok)
+    path = os.path.join(out_dir, HF_FILE)
+    write_bytes_atomic(path, hf.to_str(pretty=True).encode("utf-8"))
+
+    def name(i: int):
+        return tok.id_to_piece(i) if i >= 0 else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name(tok.bos_id),
+        "eos_token": name(tok.eos_id),
+        "unk_token": name(tok.unk_id),
+        "pad_token": name(tok.pad_id),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,
+        "model_max_length": 1_000_000_000,
+    }
+    write_json_atomic(os.path.join(out_dir, HF_CONFIG_FILE), config)
+    return path
+
+
+def build_hf_tokenizer(tok: Tokenizer):
+    """A `tokenizers.Tokenizer` that encodes like `tok`."""
+    if tok.model_type == "char":
+        return _build_char(tok)
+    return _build_sentencepiece(tok)
+
+
+def _build_char(tok: Tokenizer):
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kinds = tok._backend.kinds
+    pieces = tok._backend.pieces
+    vocab = {p: i for i, p in enumerate(pieces)}
+    unk = pieces[tok.unk_id] if tok.unk_id >= 0 else None
+    # WordLevel needs an unknown token name; without one, an unseen character fails to
+    # encode, as it does in `Tokenizer.encode`.
+    model = models.WordLevel(vocab=vocab, unk_token=unk if unk is not None else "\x00<no-unk>")
+    hf = HFTokenizer(model)
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    specials = [
+        AddedToken(p, special=True, normalized=False) for p, k in zip(pieces, kinds) if k != "char"
+    ]
+    hf.add_special_tokens(specials)
+    hf.encode_special_tokens = True
+    return hf
+
+
+def _model_proto(tok: Tokenizer):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(tok.sentencepiece.serialized_model_proto())
+    return m
+
+
+def _build_sentencepiece(tok: Tokenizer):
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    proto = _model_proto(tok)
+    ns = proto.normalizer_spec
+    ts = proto.trainer_spec
+    if ns.name not in ("identity", "") and ns.precompiled_charsmap:
+        raise TokenizerError(
+            f"export supports identity normalization only; this model uses {ns.name!r}"
+        )
+    if ns.remove_extra_whitespaces:
+        raise TokenizerError("export does not support remove_extra_whitespaces=true models")
+    if ts.treat_whitespace_as_suffix:
+        raise TokenizerError("export does not support treat_whitespace_as_suffix models")
+    pb_type = proto.SentencePiece.Type
+    normal, unknown, control, user, unused, byte = (
+        pb_type.Value(n) for n in ("NORMAL", "UNKNOWN", "CONTROL", "USER_DEFINED", "UNUSED", "BYTE")
+    )
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
+    unk_piece = pieces[tok.unk_id][0]
+    byte_fallback = bool(ts.byte_fallback)
+    model_type = ts.model_type  # 1 unigram, 2 bpe, 3 word, 4 char
+    if model_type == 2:
+        merges = _bpe_merges(pieces, vocab, normal)
+        model = models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=unk_piece,
+            fuse_unk=True,
+            byte_fallback=byte_fallback,
+        )
+    elif model_type == 1:
+        model = models.Unigram(
+            [(p, s) for p, s, _ in pieces], unk_id=tok.unk_id, byte_fallback=byte_fallback
+        )
+    else:
+        raise TokenizerError(
+            f"export supports bpe and unigram SentencePiece models, not type {model_type}"
+        )
+    hf = HFTokenizer(model)
+    if ns.add_dummy_prefix:
+        # SentencePiece prepends U+2581 to the whole text even when it already starts with
+        # a space; Metaspace("first") skips that case, so double a leading space here.
+        hf.normalizer = normalizers.Sequence(
+            [
+                normalizers.Replace(Regex("^" + SPIECE_UNDERLINE), SPIECE_UNDERLINE * 2),
+                normalizers.Replace(Regex("^ "), SPIECE_UNDERLINE * 2),
+            ]
+        )
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=SPIECE_UNDERLINE,
+        prepend_scheme="first" if ns.add_dummy_prefix else "never",
+        split=False,
+    )
+    steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if ns.add_dummy_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    hf.decoder = decoders.Sequence(steps)
+    added = []
+    for p, _, t in pieces:
+        if t in (unknown, control):
+            added.append(AddedToken(p, special=True, normalized=False))
+        elif t == user:
+            # Matched in the normalized text, as SentencePiece does; the pieces after it
+            # are not "first", so Metaspace adds no second dummy prefix.
+            added.append(AddedToken(p, special=False, normalized=True))
+    hf.add_special_tokens([a for a in added if a.special])
+    hf.add_tokens([a for a in added if not a.special])
+    hf.encode_special_tokens = True
+    del unused, byte
+    return hf
+
+
+def _bpe_merges(pieces, vocab, normal_type) -> list[tuple[str, str]]:
+    """Merges ranked by the score of the piece they make (transformers' SentencePieceExtractor)."""
+    merges = []
+    for piece, score, t in pieces:
+        if t != normal_type or len(piece) < 2:
+            continue
+        local = []
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                local.append((vocab[left], vocab[right], left, right))
+        local.sort()
+        merges.extend(
+            (-score, vocab[piece], n, left, right) for n, (_, _, left, right) in enumerate(local)
+        )
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
