@@ -163,6 +163,11 @@ def build_datasets(
         for src, w in zip(sources, weights):
             lo, hi = split_ranges(len(src), split)[name]
             if hi <= lo:
+                if n:
+                    raise ValueError(
+                        f"{src.prefix}: split {split!r} gives {name} no documents "
+                        f"but {n} samples were requested"
+                    )
                 packed = None
                 break
             want = (

@@ -16,11 +16,11 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from mindloom_data._readers import ReadStats, iter_documents
 
 DEFAULT_CHUNK_CHARS = 1 << 20
 DEFAULT_TASK_BYTES = 1 << 20
-_SPACE_BOUNDARY = re.compile(r"(?<=\S) (?=\S)")
 
 
 @dataclass
@@ -69,13 +68,13 @@ def chunk_text(text: str, chunk_chars: int, drop_space: bool) -> list[str]:
         return [text]
     out, start, n = [], 0, len(text)
     while n - start > chunk_chars:
-        window = text[start + chunk_chars // 2 : start + chunk_chars]
-        cut = None
-        for m in _SPACE_BOUNDARY.finditer(window):
-            cut = start + chunk_chars // 2 + m.start()
-        if cut is None:
-            out.append(text[start : start + chunk_chars])
-            start += chunk_chars
+        hi, lo = start + chunk_chars, start + chunk_chars // 2
+        cut = text.rfind(" ", lo, hi)
+        while cut > lo and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.rfind(" ", lo, cut)
+        if cut <= lo:
+            out.append(text[start:hi])
+            start = hi
             continue
         out.append(text[start:cut])
         start = cut + 1 if drop_space else cut
@@ -117,8 +116,9 @@ def _init_worker(tokenizer_path: str, dtype: str) -> None:
 def _encode_task(texts: list[str]) -> tuple[bytes, np.ndarray]:
     """Encode a task; returns the concatenated tokens (as bytes) and each text's length."""
     ids = _TOK.encode_batch(texts, num_threads=1) if len(texts) > 1 else [_TOK.encode(texts[0])]
-    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    total = int(lengths.sum())
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=total)
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(_DTYPE).max):
         raise ValueError(f"token id {int(flat.max())} does not fit {_DTYPE}")
     return flat.astype(_DTYPE).tobytes(), lengths

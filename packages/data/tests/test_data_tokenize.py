@@ -1,0 +1,212 @@
+"""`mindloom-data tokenize`: round trip, order, idempotence, kill -9, huge documents.
+
+Reliability tests 18 (huge document, bounded memory), 19 (round trip, EOS once per
+document, merge = concatenation) and 20 (SIGKILL halfway, rerun byte-identical).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mindloom_data import IndexedDataset, bundled_corpus
+from mindloom_data._cli import main
+from mindloom_data._indexed import merge_datasets
+from mindloom_data._tokenize import chunk_text, chunking_mode, tokenize
+from mindloom_tokenizer import Tokenizer, train_tokenizer
+
+TRICKY = [
+    "  leading spaces and trailing  ",
+    "tabs\tand\nnewlines\n\nand  double  spaces",
+    "unicode: café, naïve, 東京, emoji 🙂",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer([str(bundled_corpus())], out, vocab_size=1000, model_type="bpe")
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A JSONL of the bundled corpus' paragraphs plus tricky texts and bad records."""
+    paragraphs = [p for p in bundled_corpus().read_text().split("\n\n") if p.strip()]
+    path = tmp_path_factory.mktemp("in") / "docs.jsonl"
+    texts = paragraphs[:1500] + TRICKY
+    with open(path, "w", encoding="utf-8") as f:
+        for k, t in enumerate(texts):
+            f.write(json.dumps({"text": t}) + "\n")
+            if k == 3:
+                f.write("{not json\n")  # counted by the reader, not fatal
+    return str(path), texts
+
+
+def _bytes(prefix):
+    return open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read()
+
+
+def test_round_trip_and_eos_once_per_document(tmp_path, tok_dir, corpus, capsys):
+    path, texts = corpus
+    out = str(tmp_path / "out")
+    assert main(["tokenize", "--tokenizer", tok_dir, "--input", path, "--output-prefix", out]) == 0
+    msg = capsys.readouterr().out
+    assert f"{len(texts)} documents" in msg and "bad records 1" in msg
+    tok = Tokenizer.load(tok_dir)
+    ds = IndexedDataset(out, vocab_size=tok.vocab_size)
+    assert ds.dtype == np.uint16 and len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        ids = ds[i]
+        assert int(ids[-1]) == tok.eos_id and int((ids == tok.eos_id).sum()) == 1
+        assert tok.decode(ids) == text
+        assert ids[:-1].tolist() == tok.encode(text)
+
+
+def test_no_eos_writes_plain_tokens(tmp_path, tok_dir, corpus):
+    path, texts = corpus
+    out = str(tmp_path / "noeos")
+    tokenize(path, tok_dir, out, append_eos=False)
+    tok = Tokenizer.load(tok_dir)
+    ds = IndexedDataset(out)
+    assert ds[0].tolist() == tok.encode(texts[0])
+    assert not any(int((ds[i] == tok.eos_id).sum()) for i in range(20))
+
+
+def test_workers_and_reruns_are_byte_identical(tmp_path, tok_dir, corpus):
+    path, _ = corpus
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    tokenize(path, tok_dir, a, workers=1, task_bytes=20_000)
+    tokenize(path, tok_dir, b, workers=2, task_bytes=20_000)
+    assert _bytes(a) == _bytes(b)
+    first = _bytes(a)
+    again = tokenize(path, tok_dir, a)  # the completion marker matches: skipped
+    assert again.skipped and _bytes(a) == first
+    forced = tokenize(path, tok_dir, a, force=True)
+    assert not forced.skipped and _bytes(a) == first
+
+
+def test_merging_shards_equals_tokenizing_everything(tmp_path, tok_dir, corpus):
+    path, texts = corpus
+    whole = str(tmp_path / "whole")
+    tokenize(path, tok_dir, whole)
+    parts = []
+    for k, chunk in enumerate((texts[:700], texts[700:])):
+        p = tmp_path / f"part{k}.jsonl"
+        p.write_text("".join(json.dumps({"text": t}) + "\n" for t in chunk), encoding="utf-8")
+        tokenize(str(p), tok_dir, str(tmp_path / f"part{k}"))
+        parts.append(str(tmp_path / f"part{k}"))
+    merge_datasets(parts, tmp_path / "merged")
+    assert _bytes(whole) == _bytes(str(tmp_path / "merged"))
+
+
+def test_chunked_encoding_equals_whole_encoding(tok_dir):
+    tok = Tokenizer.load(tok_dir)
+    text = bundled_corpus().read_text()[:60_000]
+    drop = chunking_mode(tok)
+    assert drop is True  # SentencePiece with a dummy prefix: the space is re-added
+    parts = chunk_text(text, 3000, drop)
+    assert len(parts) > 20
+    assert [t for p in parts for t in tok.encode(p)] == tok.encode(text)
+
+
+def test_sigkill_halfway_then_rerun_is_byte_identical(tmp_path, tok_dir):
+    big = tmp_path / "big.txt"
+    big.write_text(bundled_corpus().read_text() * 2, encoding="utf-8")
+    ref = str(tmp_path / "ref")
+    tokenize(str(big), tok_dir, ref)
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "mindloom_data", "tokenize", "--tokenizer", tok_dir]
+    cmd += ["--input", str(big), "--output-prefix", out]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = out + ".bin.partial"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if os.path.exists(partial) and os.path.getsize(partial) > 0:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # nothing that looks complete at the final paths
+    assert not os.path.exists(out + ".idx") and not os.path.exists(out + ".bin")
+    assert not os.path.exists(out + ".done.json")
+    assert (
+        main(["tokenize", "--tokenizer", tok_dir, "--input", str(big), "--output-prefix", out]) == 0
+    )
+    assert _bytes(out) == _bytes(ref)
+    assert not os.path.exists(partial)
+
+
+def test_fifty_megabyte_document_with_bounded_memory(tmp_path):
+    """A single 50 MB line: chunked encoding keeps peak RSS far below a whole-text encode."""
+    tok = tmp_path / "char"
+    train_tokenizer([str(bundled_corpus())], tok, model_type="char")
+    line = tmp_path / "huge.jsonl"
+    base = bundled_corpus().read_text()
+    text = (base * (50_000_000 // len(base) + 1))[:50_000_000]
+    line.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    del text
+    code = (
+        "import resource, sys\nfrom mindloom_data._cli import main\n"
+        "rc = main(sys.argv[1:])\n"
+        "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        "sys.exit(rc)\n"
+    )
+    out = str(tmp_path / "huge")
+    args = ["tokenize", "--tokenizer", str(tok), "--input", str(line), "--output-prefix", out]
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "chunked 1" in res.stdout
+    rss_mb = int(res.stdout.split("MAXRSS_KB")[1]) / 1024
+    # text + its JSON line + the chunks are ~200 MB; one 50M-id list and array would add ~800
+    assert rss_mb < 600, f"peak RSS {rss_mb:.0f} MB"
+    ds = IndexedDataset(out)
+    assert len(ds) == 1 and ds.num_tokens == 50_000_001
+    t = Tokenizer.load(tok)
+    assert t.decode(ds[0][:2000]) == base[:2000]
+
+
+def test_cli_errors_are_one_line(tmp_path, tok_dir, corpus, capsys):
+    path, _ = corpus
+    out = str(tmp_path / "o")
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(tmp_path / "nope"),
+                "--input",
+                path,
+                "--output-prefix",
+                out,
+            ]
+        )
+        == 1
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "nope" in err
+    assert (
+        main(
+            [
+                "tokenize",
+                "--tokenizer",
+                tok_dir,
+                "--input",
+                str(tmp_path / "*.jsonl"),
+                "--output-prefix",
+                out,
+            ]
+        )
+        == 1
+    )
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no input files matched" in err
+    assert not os.path.exists(out + ".bin") and not os.path.exists(out + ".bin.partial")
