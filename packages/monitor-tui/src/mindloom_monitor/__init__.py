@@ -1,5 +1,19 @@
-"""mindloom_monitor: see the package README."""
+"""mindloom_monitor: a terminal monitor for mindloom run directories; see the README.
+
+Importing the package does not import Textual: the record parsing and statistics
+(`parse_line`, `RunData`) are plain Python, and `MonitorApp` is loaded on first use.
+"""
 
 from mindloom_monitor.__about__ import __version__
+from mindloom_monitor._records import Event, Metric, parse_line
+from mindloom_monitor._stats import RunData, Settings
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "Event", "Metric", "MonitorApp", "RunData", "Settings", "parse_line"]
+
+
+def __getattr__(name: str):
+    if name == "MonitorApp":
+        from mindloom_monitor._app import MonitorApp
+
+        return MonitorApp
+    raise AttributeError(f"module 'mindloom_monitor' has no attribute {name!r}")

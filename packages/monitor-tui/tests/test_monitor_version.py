@@ -1,10 +1,10 @@
+import pytest
 from mindloom_monitor import __version__
 from mindloom_monitor._cli import main
 
 
 def test_version_flag_prints_the_package_version(capsys):
-    try:
+    with pytest.raises(SystemExit) as exc:
         main(["--version"])
-    except SystemExit as exc:  # argparse's version action exits 0
-        assert exc.code == 0
+    assert exc.value.code == 0
     assert __version__ in capsys.readouterr().out

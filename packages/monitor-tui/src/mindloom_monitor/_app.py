@@ -1,0 +1,492 @@
+"""The Textual app: a watcher thread tails the run directories and posts coalesced
+batches; the widgets redraw from `RunData` on the UI thread, at most a few times a
+second, and only when something changed."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from rich.syntax import Syntax
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Container, Grid, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Log, RichLog, Static
+from textual_plotext import PlotextPlot
+
+from mindloom_monitor._source import CONFIG, METRICS, Batch, RunSource, apply_batch
+from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration
+
+RANGES: tuple[int | None, ...] = (None, 1000, 100)  # "all", then the last N steps
+PANES = ("plots", "events", "log")
+LOG_KEEP = 2000  # lines of train.log kept per run
+EVENT_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
+PALETTE = ("cyan", "orange", "green", "magenta", "blue", "red")
+CONFIG_MAX = 1 << 20
+
+
+class RunBatch(Message):
+    """New data for one run, coalesced by the watcher."""
+
+    def __init__(self, index: int, batch: Batch) -> None:
+        super().__init__()
+        self.index = index
+        self.batch = batch
+
+
+class WatcherError(Message):
+    def __init__(self, index: int, text: str) -> None:
+        super().__init__()
+        self.index = index
+        self.text = text
+
+
+class Watcher:
+    """Polls every source with `stat` from one thread: fast while lines arrive, backing
+    off to `max_interval` when idle, so an idle monitor costs a few syscalls a second."""
+
+    def __init__(
+        self, app: App, sources: list[RunSource], interval: float, max_interval: float
+    ) -> None:
+        self.app = app
+        self.sources = sources
+        self.interval = interval
+        self.max_interval = max_interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mindloom-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for src in self.sources:
+            src.close()
+
+    def _call(self, index: int, fn) -> bool:
+        try:
+            batch = fn()
+        except Exception as exc:  # a bad file must never take the app down
+            self.app.post_message(WatcherError(index, f"{type(exc).__name__}: {exc}"))
+            return False
+        if batch:
+            self.app.post_message(RunBatch(index, batch))
+            return True
+        return False
+
+    def _run(self) -> None:
+        for i, src in enumerate(self.sources):
+            if self._stop.is_set():
+                return
+            if not self._call(i, src.initial):
+                self.app.post_message(RunBatch(i, Batch(initial=True)))
+        delay = self.interval
+        while not self._stop.wait(delay):
+            busy = False
+            for i, src in enumerate(self.sources):
+                busy |= self._call(i, src.poll)
+            delay = self.interval if busy else min(delay * 1.5, self.max_interval)
+
+
+class MetricPlot(PlotextPlot):
+    """A plotext plot that is rebuilt only when its data changes."""
+
+    def draw(self, title: str, lines: list[tuple[str, list, list, str, str, str]]) -> None:
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        plt.title(title)
+        for label, xs, ys, side, color, kind in lines:
+            if not xs:
+                continue
+            if kind == "scatter":
+                plt.scatter(xs, ys, label=label, yside=side, color=color, marker="dot")
+            else:
+                plt.plot(xs, ys, label=label, yside=side, color=color, marker="braille")
+        self.refresh()
+
+
+class ConfigScreen(ModalScreen):
+    """The run's resolved config.yaml, shown as written (no YAML library needed)."""
+
+    BINDINGS = [Binding("escape,c", "dismiss", "Close")]
+    DEFAULT_CSS = """
+    ConfigScreen { align: center middle; }
+    #config-box { width: 90%; height: 90%; border: round $accent; background: $surface; }
+    #config-scroll { height: 1fr; }
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        self.path = os.path.join(run_dir, CONFIG)
+
+    def _content(self):
+        try:
+            with open(self.path, "rb") as fh:
+                raw = fh.read(CONFIG_MAX + 1)
+        except FileNotFoundError:
+            return Text(f"{CONFIG} not found (the trainer writes it at start): {self.path}")
+        except OSError as exc:
+            return Text(f"{CONFIG} unreadable ({exc.strerror}): {self.path}")
+        text = raw[:CONFIG_MAX].decode("utf-8", "replace")
+        if len(raw) > CONFIG_MAX:
+            text += "\n# ... (truncated at 1 MiB)"
+        return Syntax(text, "yaml", theme="ansi_dark", line_numbers=False, word_wrap=False)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="config-box") as box:
+            box.border_title = self.path
+            box.border_subtitle = "esc / c: close"
+            with VerticalScroll(id="config-scroll"):
+                yield Static(self._content(), id="config-text")
+
+
+class MonitorApp(App):
+    TITLE = "mindloom-monitor"
+    ENABLE_COMMAND_PALETTE = False
+    CSS = """
+    #header { height: 2; background: $panel; padding: 0 1; }
+    #tabs { height: 1; padding: 0 1; color: $text-muted; }
+    #body { height: 1fr; }
+    .pane { display: none; height: 1fr; }
+    .pane.-active { display: block; }
+    #plot-grid { layout: grid; grid-size: 2 2; grid-gutter: 0 1; height: 1fr; }
+    #waiting { display: none; height: 1fr; content-align: center middle; color: $warning; }
+    #plots.-waiting #waiting { display: block; }
+    #plots.-waiting #plot-grid { display: none; }
+    #events, #log { scrollbar-size-vertical: 1; }
+    #main.-wide #tabs { display: none; }
+    #main.-wide #body { layout: grid; grid-size: 2 2; grid-rows: 2fr 1fr; }
+    #main.-wide .pane { display: block; border: round $panel-lighten-2; }
+    #main.-wide #plots { column-span: 2; border: none; }
+    #main.-wide .pane:focus { border: round $accent; }
+    """
+    BINDINGS = [
+        Binding("tab", "next_pane", "Pane", priority=True),
+        Binding("1", "pane('plots')", "Plots", show=False),
+        Binding("2", "pane('events')", "Events", show=False),
+        Binding("3", "pane('log')", "Log", show=False),
+        Binding("r", "cycle_range", "Range"),
+        Binding("p", "toggle_follow", "Pause"),
+        Binding("space", "toggle_follow", "Pause", show=False),
+        Binding("o", "toggle_overlay", "Overlay"),
+        Binding("n", "next_run", "Next run"),
+        Binding("c", "show_config", "Config"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        run_dirs: list[str],
+        *,
+        settings: Settings | None = None,
+        last_n: int | None = None,
+        clock: Callable[[], float] = time.time,
+        poll_interval: float = 0.1,
+        max_interval: float = 0.5,
+        tick: float = 1.0,
+        tail_bytes: int = 2 << 20,
+        samples: int = 2000,
+    ) -> None:
+        super().__init__()
+        self.runs = [RunData(d, settings) for d in run_dirs]
+        self.sources = [RunSource(d, tail_bytes=tail_bytes, samples=samples) for d in run_dirs]
+        self.logs: list[deque[str]] = [deque(maxlen=LOG_KEEP) for _ in run_dirs]
+        self.log_versions = [0] * len(run_dirs)
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.max_interval = max_interval
+        self.tick = tick
+        self.selected = 0
+        self.pane = "plots"
+        self.following = True
+        self.overlay = False
+        self.range_index = RANGES.index(last_n) if last_n in RANGES else 0
+        self.custom_range = last_n if last_n not in RANGES else None
+        self.loaded = 0  # runs whose initial read has been applied
+        self.batches = 0  # batches received (tests wait on this)
+        self.redraws = 0
+        self._drawn: tuple = ()
+        self._log_key: tuple | None = None
+        self._events_drawn = 0
+        self._redraw_pending = False
+        self._watcher: Watcher | None = None
+
+    # --- layout ------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Vertical(id="main"):
+            yield Static(id="header")
+            yield Static(id="tabs")
+            with Container(id="body"):
+                with Container(id="plots", classes="pane -active"):
+                    yield Static(id="waiting")
+                    with Grid(id="plot-grid"):
+                        for key in ("loss", "lr", "grad_norm", "throughput"):
+                            yield MetricPlot(id=f"plot-{key}")
+                events = RichLog(id="events", classes="pane", max_lines=2000, wrap=False)
+                events.border_title = "events"
+                yield events
+                log = Log(id="log", classes="pane", max_lines=LOG_KEEP)
+                log.border_title = "train.log"
+                yield log
+            yield Footer()
+
+    def on_mount(self) -> None:
+        self._apply_size()
+        self._update_tabs()
+        self._update_header()
+        self._watcher = Watcher(self, self.sources, self.poll_interval, self.max_interval)
+        self._watcher.start()
+        self.set_interval(self.tick, self._on_tick)
+
+    def on_unmount(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def on_resize(self) -> None:
+        self._apply_size()
+
+    def _apply_size(self) -> None:
+        width, height = self.size
+        self.query_one("#main").set_class(width >= 120 and height >= 36, "-wide")
+
+    @property
+    def wide(self) -> bool:
+        return self.query_one("#main").has_class("-wide")
+
+    # --- data --------------------------------------------------------------------------
+    def on_run_batch(self, message: RunBatch) -> None:
+        data = self.runs[message.index]
+        apply_batch(data, message.batch)
+        log = self.logs[message.index]
+        if message.batch.log_reset:
+            log.clear()
+        if message.batch.log_reset or message.batch.log_lines:
+            log.extend(message.batch.log_lines)
+            self.log_versions[message.index] += 1
+        if message.batch.initial:
+            self.loaded += 1
+        self.batches += 1
+        self._update_header()
+        self._schedule_redraw()
+
+    def on_watcher_error(self, message: WatcherError) -> None:
+        self.runs[message.index].note("error", message.text, "error")
+        self._schedule_redraw()
+
+    def _on_tick(self) -> None:
+        now = self.clock()
+        if any([data.check_stall(now) for data in self.runs]):
+            self._schedule_redraw()
+        self._update_header()
+
+    # --- drawing -----------------------------------------------------------------------
+    @property
+    def last_n(self) -> int | None:
+        return self.custom_range if self.custom_range is not None else RANGES[self.range_index]
+
+    @property
+    def range_label(self) -> str:
+        n = self.last_n
+        return "all" if n is None else f"last {n}"
+
+    def _header_text(self) -> Text:
+        data = self.runs[self.selected]
+        now = self.clock()
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(data.name, style="bold")
+        status = data.status()
+        style = {"running": "green", "completed": "green", "waiting": "yellow"}.get(
+            status, "bold red"
+        )
+        t.append(f" {status}", style=style)
+        if data.last is not None:
+            step, total = data.last.step, data.total_steps
+            of = f"{step:,}/{total:,} ({100 * step / total:.0f}%)" if total else f"{step:,}"
+            t.append(f"  step {of}")
+            t.append(f"  elapsed {fmt_duration(data.elapsed(now))}  ETA {fmt_duration(data.eta())}")
+        elif status == "waiting":
+            t.append(f"  waiting for {METRICS}")
+        t.append("\n")
+        ckpt = data.last_checkpoint
+        t.append(f"tokens {fmt_count(data.tokens)}  ckpt {ckpt[0] if ckpt else '-'}  ")
+        t.append(
+            f"skipped {data.skipped_lines} lines", style="bold red" if data.skipped_lines else ""
+        )
+        t.append(f"  range {self.range_label}  ")
+        t.append(
+            "following" if self.following else "PAUSED", style="" if self.following else "reverse"
+        )
+        if len(self.runs) > 1:
+            t.append(f"  run {self.selected + 1}/{len(self.runs)}")
+        if self.overlay:
+            t.append("  overlay")
+        return t
+
+    def _update_header(self) -> None:
+        for header in self.query("#header").results(Static):  # absent while shutting down
+            header.update(self._header_text())
+
+    def _update_tabs(self) -> None:
+        parts = []
+        for i, pane in enumerate(PANES, 1):
+            label = f"{i} {pane.capitalize()}"
+            if pane == self.pane:
+                parts.append(f"[reverse][@click=app.pane('{pane}')] {label} [/][/]")
+            else:
+                parts.append(f"[@click=app.pane('{pane}')] {label} [/]")
+        self.query_one("#tabs", Static).update("".join(parts))
+        for pane in PANES:
+            self.query_one(f"#{pane}").set_class(pane == self.pane, "-active")
+
+    def _schedule_redraw(self) -> None:
+        if not self._redraw_pending:
+            self._redraw_pending = True
+            self.set_timer(0.15, self._redraw)
+
+    def _redraw(self) -> None:
+        self._redraw_pending = False
+        if not self.following or not self.query("#plots"):  # paused, or shutting down
+            return
+        data = self.runs[self.selected]
+        waiting = data.last is None
+        plots = self.query_one("#plots")
+        plots.set_class(waiting, "-waiting")
+        if waiting:
+            where = os.path.join(data.run_dir, METRICS)
+            what = "waiting for" if not data.metrics_exists else "no metrics yet in"
+            skipped = f"\n(skipped {data.skipped_lines} bad lines)" if data.skipped_lines else ""
+            self.query_one("#waiting", Static).update(f"{what} {where}{skipped}")
+        key = (self.selected, self.overlay, self.last_n, self.size, *(r.version for r in self.runs))
+        if key != self._drawn:
+            self._drawn = key
+            self._draw_plots()
+            self._draw_events()
+            self.redraws += 1
+        log_key = (self.selected, self.log_versions[self.selected])
+        if log_key != self._log_key:
+            self._log_key = log_key
+            self._draw_log()
+        self._update_header()
+
+    def _draw_plots(self) -> None:
+        n = self.last_n
+        buckets = max(50, self.size.width)
+        runs = (
+            list(enumerate(self.runs))
+            if self.overlay
+            else [(self.selected, self.runs[self.selected])]
+        )
+        loss, lr, grad, thr = [], [], [], []
+        for i, data in runs:
+            color = PALETTE[i % len(PALETTE)]
+            tag = f"{data.name} " if self.overlay else ""
+            if not self.overlay:
+                loss.append(("loss", *data.view("loss", n, buckets), "left", "gray", "line"))
+            loss.append(
+                (f"{tag}smoothed", *data.view("smoothed", n, buckets), "left", color, "line")
+            )
+            loss.append(
+                (
+                    f"{tag}eval ppl",
+                    *data.view("ppl", n),
+                    "right",
+                    "red" if not self.overlay else color,
+                    "scatter",
+                )
+            )
+            lr.append((tag.strip(), *data.view("lr", n, buckets), "left", color, "line"))
+            grad.append((tag.strip(), *data.view("grad_norm", n, buckets), "left", color, "line"))
+            thr.append(
+                (f"{tag}tok/s", *data.view("tokens_per_s", n, buckets), "left", color, "line")
+            )
+            xs, ys = data.view("mfu", n, buckets)
+            mfu_color = "green" if not self.overlay else color
+            thr.append((f"{tag}MFU %", xs, [100 * y for y in ys], "right", mfu_color, "line"))
+        suffix = f" ({self.range_label})"
+        self.query_one("#plot-loss", MetricPlot).draw("loss · eval ppl" + suffix, loss)
+        self.query_one("#plot-lr", MetricPlot).draw("learning rate", lr)
+        self.query_one("#plot-grad_norm", MetricPlot).draw("grad norm", grad)
+        self.query_one("#plot-throughput", MetricPlot).draw("tokens/s · MFU %", thr)
+
+    def _format_event(self, ev) -> Text:
+        where = f"{ev.step:>7}" if ev.step is not None else "      -"
+        t = Text(no_wrap=True)
+        t.append(where, style="dim")
+        t.append(f" {ev.kind:<15}", style=EVENT_STYLE.get(ev.level, "") or "bold")
+        t.append(ev.text, style=EVENT_STYLE.get(ev.level, ""))
+        return t
+
+    def _draw_events(self, full: bool = False) -> None:
+        widget = self.query_one("#events", RichLog)
+        events = self.runs[self.selected].events
+        if full or self._events_drawn > len(events):
+            widget.clear()
+            self._events_drawn = 0
+        for ev in events[self._events_drawn :]:
+            widget.write(self._format_event(ev))
+        self._events_drawn = len(events)
+
+    def _draw_log(self) -> None:
+        widget = self.query_one("#log", Log)
+        lines = self.logs[self.selected]
+        # The deque drops old lines, so a position is not stable: redraw the whole tail
+        # when it changed (at most a few times a second, a few thousand short lines).
+        widget.clear()
+        widget.write_lines(list(lines))
+
+    def _full_redraw(self) -> None:
+        self._drawn = ()
+        self._events_drawn = len(self.runs[self.selected].events) + 1  # forces a clear
+        self._log_key = None
+        self._schedule_redraw()
+
+    # --- actions -----------------------------------------------------------------------
+    def action_pane(self, pane: str) -> None:
+        self.pane = pane
+        self._update_tabs()
+        if pane != "plots":
+            self.query_one(f"#{pane}").focus()
+
+    def action_next_pane(self) -> None:
+        self.action_pane(PANES[(PANES.index(self.pane) + 1) % len(PANES)])
+
+    def action_cycle_range(self) -> None:
+        if self.custom_range is not None:
+            self.custom_range = None
+            self.range_index = 0
+        else:
+            self.range_index = (self.range_index + 1) % len(RANGES)
+        self._update_header()
+        self._schedule_redraw()
+
+    def action_toggle_follow(self) -> None:
+        self.following = not self.following
+        self._update_header()
+        if self.following:
+            self._full_redraw()
+
+    def action_toggle_overlay(self) -> None:
+        self.overlay = not self.overlay
+        self._update_header()
+        self._schedule_redraw()
+
+    def action_next_run(self) -> None:
+        self.selected = (self.selected + 1) % len(self.runs)
+        self._update_header()
+        self._full_redraw()
+
+    def action_show_config(self) -> None:
+        self.push_screen(ConfigScreen(self.runs[self.selected].run_dir))
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action in ("next_run", "toggle_overlay") and len(self.runs) < 2:
+            return False  # hidden from the footer: one run has nothing to switch or overlay
+        return True

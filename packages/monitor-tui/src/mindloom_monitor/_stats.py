@@ -1,0 +1,466 @@
+"""The state of one run and everything derived from it (plain Python: no Textual import).
+
+`RunData` takes records in file order and keeps the plotted series, an EMA of the loss,
+eval points, the header facts (step of total, elapsed, ETA, tokens, last checkpoint) and
+an events list that merges the trainer's event lines with what the detectors here find:
+non-finite values, loss and gradient-norm spikes, skipped steps, throughput drops and a
+run that stopped reporting. All of it is incremental, O(1) amortised per record.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+from mindloom_monitor._records import Event, Metric, Record
+
+# Series kept per run, in plotting order.
+SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+
+
+@dataclass(slots=True)
+class Settings:
+    smoothing: float = 0.9  # EMA weight of the past (TensorBoard-like, bias-corrected)
+    stall_after_s: float = 300.0  # no new record for this long while running -> event
+    spike_window: int = 50  # records the spike detectors look back over
+    spike_sigmas: float = 4.0  # loss above mean + k*std of the window is a spike
+    grad_spike_factor: float = 5.0  # grad norm above k * window median is a spike
+    drop_frac: float = 0.3  # tokens/s below (1 - f) * recent median is a drop
+    max_points: int = 40_000  # per series; older points are thinned beyond this
+
+
+@dataclass(slots=True)
+class EventEntry:
+    kind: str
+    step: int | None
+    time: float | None
+    text: str
+    level: str = "info"  # info | warn | error
+
+
+def fmt_num(x: float | None, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Inf" if x > 0 else "-Inf"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6):
+        return f"{x:.2e}"
+    return f"{x:.{digits}g}"
+
+
+def fmt_count(x: float | None) -> str:
+    """4920000 -> '4.92M'."""
+    if x is None or not math.isfinite(x):
+        return "-"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h{m:02d}m"
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def downsample(xs: list, ys: list, buckets: int) -> tuple[list, list]:
+    """Min/max per bucket, in x order: keeps spikes that plain striding would drop."""
+    n = len(xs)
+    if n <= 2 * buckets or buckets <= 0:
+        return list(xs), list(ys)
+    out_x: list = []
+    out_y: list = []
+    size = n / buckets
+    for b in range(buckets):
+        lo, hi = int(b * size), int((b + 1) * size)
+        if hi <= lo:
+            continue
+        seg = ys[lo:hi]
+        i_min = min(range(len(seg)), key=seg.__getitem__)
+        i_max = max(range(len(seg)), key=seg.__getitem__)
+        for i in sorted({i_min, i_max}):
+            out_x.append(xs[lo + i])
+            out_y.append(seg[i])
+    return out_x, out_y
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+class RunData:
+    """Everything the monitor knows about one run directory."""
+
+    def __init__(self, run_dir: str, settings: Settings | None = None) -> None:
+        self.run_dir = run_dir
+        self.settings = settings or Settings()
+        self.name = os.path.basename(os.path.normpath(run_dir)) or run_dir
+        self.steps: list[int] = []
+        self.times: list[float] = []
+        self.series: dict[str, list[float]] = {k: [] for k in SERIES}
+        self.smoothed: list[float] = []
+        self.evals: list[tuple[int, float, float]] = []  # step, loss, ppl
+        self.events: list[EventEntry] = []
+        self.skipped_lines = 0
+        self.parsed_lines = 0
+        self.sampled_records = 0  # records that came from sampling a huge file
+        self.total_steps: int | None = None
+        self.start_time: float | None = None
+        self.end: Event | None = None
+        self.last: Metric | None = None
+        self.last_checkpoint: tuple[int | None, str] | None = None
+        self.last_report: float | None = None  # `time` of the newest line
+        self.metrics_exists = False
+        self.version = 0  # bumped on every change, so views redraw only when needed
+        self._ema = 0.0
+        self._ema_n = 0
+        self._seen: set[tuple[str, int | None]] = set()
+        self._loss_win: deque[float] = deque(maxlen=self.settings.spike_window)
+        self._grad_win: deque[float] = deque(maxlen=self.settings.spike_window)
+        self._tps_win: deque[float] = deque(maxlen=20)
+        self._tps_dropped = False
+        self._skipped_steps = 0
+        self._stalled = False
+        self._tokens: float | None = None
+
+    # --- feeding -------------------------------------------------------------------
+    def add_skipped(self, n: int) -> None:
+        if n:
+            self.skipped_lines += n
+            self.version += 1
+
+    def note(self, kind: str, text: str, level: str = "warn") -> None:
+        self.events.append(
+            EventEntry(kind, self.last.step if self.last else None, None, text, level)
+        )
+        self.version += 1
+
+    def add_all(self, records: list[Record], detect: bool = True) -> None:
+        for rec in records:
+            self.add(rec, detect=detect)
+
+    def add(self, rec: Record, detect: bool = True) -> None:
+        self.version += 1
+        if rec.time is not None and (self.last_report is None or rec.time > self.last_report):
+            self.last_report = rec.time
+            if self._stalled:
+                self._stalled = False
+                self._event(
+                    "resumed",
+                    rec.step if isinstance(rec, Metric) else rec.step,
+                    rec.time,
+                    "reporting again",
+                    "info",
+                    dedupe=False,
+                )
+        if isinstance(rec, Event):
+            self._add_event(rec)
+        else:
+            self._add_metric(rec, detect)
+
+    def _event(self, kind, step, time, text, level="info", dedupe=True) -> None:
+        if dedupe:
+            key = (kind, step)
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        self.events.append(EventEntry(kind, step, time, text, level))
+
+    def _add_event(self, ev: Event) -> None:
+        d = ev.data
+        if ev.kind == "start":
+            total = d.get("total_steps")
+            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+                self.total_steps = total
+            name = d.get("run_name")
+            if isinstance(name, str) and name:
+                self.name = name
+            if ev.time is not None and (self.start_time is None or self.end is not None):
+                self.start_time = ev.time
+            self.end = None
+            self._event(
+                "start",
+                ev.step,
+                ev.time,
+                f"start {self.name}" + (f" ({self.total_steps} steps)" if self.total_steps else ""),
+                dedupe=False,
+            )
+        elif ev.kind == "eval":
+            loss = d.get("loss")
+            ppl = d.get("ppl")
+            loss = (
+                float(loss)
+                if isinstance(loss, int | float) and not isinstance(loss, bool)
+                else math.nan
+            )
+            if isinstance(ppl, int | float) and not isinstance(ppl, bool):
+                ppl = float(ppl)
+            else:
+                ppl = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.nan
+            if ev.step is not None:
+                self.evals.append((ev.step, loss, ppl))
+            self._event("eval", ev.step, ev.time, f"eval loss {fmt_num(loss)} ppl {fmt_num(ppl)}")
+        elif ev.kind == "checkpoint":
+            path = d.get("path")
+            path = path if isinstance(path, str) else ""
+            self.last_checkpoint = (ev.step, path)
+            self._event("checkpoint", ev.step, ev.time, f"checkpoint {path}".rstrip())
+        elif ev.kind == "anomaly":
+            kind = d.get("kind") if isinstance(d.get("kind"), str) else "anomaly"
+            action = d.get("action") if isinstance(d.get("action"), str) else "reported"
+            value = d.get("value")
+            value = (
+                fmt_num(float(value))
+                if isinstance(value, int | float) and not isinstance(value, bool)
+                else "NaN"
+            )
+            derived = {
+                "nonfinite_loss": "nan",
+                "nonfinite_grad": "nan_grad",
+                "grad_spike": "grad_spike",
+                "loss_spike": "loss_spike",
+            }.get(kind, kind)
+            level = "error" if action == "stopped" or kind.startswith("nonfinite") else "warn"
+            self._event(derived, ev.step, ev.time, f"{kind} {value} ({action})", level)
+        elif ev.kind == "end":
+            self.end = ev
+            status = d.get("status") if isinstance(d.get("status"), str) else "ended"
+            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+            level = "info" if status == "completed" else "error"
+            self._event(
+                "end",
+                ev.step,
+                ev.time,
+                f"end: {status}" + (f" ({reason})" if reason else ""),
+                level,
+                dedupe=False,
+            )
+        else:
+            self._event(ev.kind, ev.step, ev.time, f"event {ev.kind}")
+
+    def _add_metric(self, m: Metric, detect: bool) -> None:
+        if self.steps and m.step <= self.steps[-1]:
+            # A resumed run repeats steps after its last checkpoint: the new line wins.
+            cut = bisect_left(self.steps, m.step)
+            self._event(
+                "restart",
+                m.step,
+                m.time,
+                f"steps restart at {m.step} (was {self.steps[-1]})",
+                "warn",
+                dedupe=False,
+            )
+            del self.steps[cut:], self.times[cut:], self.smoothed[cut:]
+            for values in self.series.values():
+                del values[cut:]
+            self._loss_win.clear()
+            self._grad_win.clear()
+            self._tps_win.clear()
+        if self.start_time is None and m.time is not None:
+            self.start_time = m.time
+        f = m.fields
+        self.last = m
+        if _finite(f.get("tokens")):
+            self._tokens = f["tokens"]
+        self.steps.append(m.step)
+        self.times.append(m.time if m.time is not None else math.nan)
+        for key in SERIES:
+            self.series[key].append(f.get(key, math.nan))
+        loss = f.get("loss")
+        if _finite(loss):
+            w = self.settings.smoothing
+            self._ema = w * self._ema + (1 - w) * loss
+            self._ema_n += 1
+            self.smoothed.append(self._ema / (1 - w**self._ema_n))
+        else:
+            self.smoothed.append(self.smoothed[-1] if self.smoothed else math.nan)
+        if detect:
+            self._detect(m)
+        if len(self.steps) > self.settings.max_points:
+            self._thin()
+
+    def _detect(self, m: Metric) -> None:
+        s = self.settings
+        f = m.fields
+        loss = f.get("loss")
+        grad = f.get("grad_norm")
+        if loss is not None and not math.isfinite(loss):
+            self._event("nan", m.step, m.time, f"non-finite loss ({fmt_num(loss)})", "error")
+        elif _finite(loss):
+            win = self._loss_win
+            if len(win) >= 20:
+                mean = sum(win) / len(win)
+                std = math.sqrt(sum((x - mean) ** 2 for x in win) / len(win))
+                if loss > mean + max(s.spike_sigmas * std, 0.05 * abs(mean)):
+                    self._event(
+                        "loss_spike",
+                        m.step,
+                        m.time,
+                        f"loss spike {fmt_num(loss)} (recent mean {fmt_num(mean)})",
+                        "warn",
+                    )
+            win.append(loss)
+        if grad is not None and not math.isfinite(grad):
+            self._event(
+                "nan_grad", m.step, m.time, f"non-finite grad norm ({fmt_num(grad)})", "error"
+            )
+        elif _finite(grad):
+            win = self._grad_win
+            if len(win) >= 10:
+                med = median(win)
+                if med > 0 and grad > s.grad_spike_factor * med:
+                    self._event(
+                        "grad_spike",
+                        m.step,
+                        m.time,
+                        f"grad norm spike {fmt_num(grad)} (median {fmt_num(med)})",
+                        "warn",
+                    )
+            win.append(grad)
+        skipped = f.get("skipped_steps")
+        if _finite(skipped):
+            skipped = int(skipped)
+            if skipped > self._skipped_steps:
+                self._event(
+                    "skipped",
+                    m.step,
+                    m.time,
+                    f"{skipped - self._skipped_steps} step(s) skipped ({skipped} in total)",
+                    "warn",
+                    dedupe=False,
+                )
+            self._skipped_steps = skipped
+        tps = f.get("tokens_per_s")
+        if _finite(tps):
+            win = self._tps_win
+            if len(win) >= 5:
+                med = median(win)
+                if not self._tps_dropped and tps < (1 - s.drop_frac) * med:
+                    self._tps_dropped = True
+                    self._event(
+                        "throughput_drop",
+                        m.step,
+                        m.time,
+                        f"throughput drop {fmt_count(tps)} tok/s (recent {fmt_count(med)})",
+                        "warn",
+                        dedupe=False,
+                    )
+                elif self._tps_dropped and tps >= (1 - s.drop_frac / 3) * med:
+                    self._tps_dropped = False
+            if not self._tps_dropped:
+                win.append(tps)
+
+    def _thin(self) -> None:
+        """Halve the resolution of the older half so memory stays bounded on long runs."""
+        half = len(self.steps) // 2
+        for arr in (self.steps, self.times, self.smoothed, *self.series.values()):
+            arr[:half] = arr[:half:2]
+
+    # --- derived facts -------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.end is None
+
+    def check_stall(self, now: float) -> bool:
+        """Emit a stall event once a running run has been silent too long."""
+        if self._stalled or not self.running or self.last_report is None:
+            return False
+        silent = now - self.last_report
+        if silent > self.settings.stall_after_s:
+            self._stalled = True
+            step = self.last.step if self.last else None
+            self._event(
+                "stall",
+                step,
+                now,
+                f"no new metrics for {fmt_duration(silent)}",
+                "error",
+                dedupe=False,
+            )
+            self.version += 1
+            return True
+        return False
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled
+
+    def elapsed(self, now: float) -> float | None:
+        if self.start_time is None:
+            return None
+        end = self.end.time if self.end is not None and self.end.time is not None else None
+        if end is None:
+            # a silent or finished run's clock stops at its last line
+            end = now if self.running and not self._stalled else self.last_report
+        return None if end is None else max(0.0, end - self.start_time)
+
+    def seconds_per_step(self, window: int = 50) -> float | None:
+        n = len(self.steps)
+        for back in (min(window, n - 1), n - 1):
+            if back < 1:
+                return None
+            i = n - 1 - back
+            dt = self.times[-1] - self.times[i]
+            ds = self.steps[-1] - self.steps[i]
+            if ds > 0 and math.isfinite(dt) and dt > 0:
+                return dt / ds
+        return None
+
+    def eta(self) -> float | None:
+        if not self.running or self._stalled or self.total_steps is None or self.last is None:
+            return None
+        sps = self.seconds_per_step()
+        if sps is None:
+            return None
+        return max(0, self.total_steps - self.last.step) * sps
+
+    @property
+    def tokens(self) -> float | None:
+        return self._tokens
+
+    def status(self) -> str:
+        if not self.metrics_exists and self.last is None:
+            return "waiting"
+        if self.end is not None:
+            s = self.end.data.get("status")
+            return s if isinstance(s, str) else "ended"
+        if self._stalled:
+            return "stalled"
+        return "running"
+
+    def view(self, key: str, last_n: int | None = None, buckets: int = 400) -> tuple[list, list]:
+        """Finite (step, value) points of one series over the plotted range, downsampled.
+
+        `key` is a series name, "smoothed", or "ppl" (eval perplexity)."""
+        lo_step = self.steps[-1] - last_n if last_n is not None and self.steps else None
+        if key == "ppl":
+            pts = [
+                (s, p)
+                for s, _, p in self.evals
+                if math.isfinite(p) and (lo_step is None or s >= lo_step)
+            ]
+            return [p[0] for p in pts], [p[1] for p in pts]
+        ys_all = self.smoothed if key == "smoothed" else self.series[key]
+        start = bisect_left(self.steps, lo_step) if lo_step is not None else 0
+        xs: list[int] = []
+        ys: list[float] = []
+        steps = self.steps
+        for i in range(start, len(steps)):
+            y = ys_all[i]
+            if math.isfinite(y):
+                xs.append(steps[i])
+                ys.append(y)
+        return downsample(xs, ys, buckets)

@@ -1,0 +1,144 @@
+import math
+
+from mindloom_monitor._records import Event, Metric, parse_obj
+from mindloom_monitor._stats import RunData, Settings, downsample, fmt_count, fmt_duration
+from monitor_helpers import T0, metric
+
+
+def feed(data, objs):
+    for obj in objs:
+        data.add(parse_obj(obj))
+
+
+def kinds(data):
+    return [e.kind for e in data.events]
+
+
+def test_smoothing_is_a_bias_corrected_ema_that_skips_nan():
+    data = RunData("r", Settings(smoothing=0.5))
+    feed(data, [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 2.0}, {"step": 3, "loss": None}])
+    assert data.smoothed[0] == 4.0
+    # (0.5*0.5*4 + 0.5*2) / (1 - 0.25) = 2.666...
+    assert math.isclose(data.smoothed[1], 2 / 0.75)
+    assert data.smoothed[2] == data.smoothed[1]  # a NaN loss does not poison the curve
+
+
+def test_header_facts_eta_elapsed_tokens_checkpoint():
+    data = RunData("runs/x")
+    feed(data, [{"event": "start", "time": T0, "run_name": "demo", "total_steps": 1000}])
+    feed(data, [metric(s) for s in range(1, 201)])
+    feed(data, [{"event": "checkpoint", "time": T0 + 100, "step": 200, "path": "ck/step_200"}])
+    assert data.name == "demo" and data.total_steps == 1000
+    assert data.last.step == 200 and data.tokens == 4096 * 200
+    assert math.isclose(data.seconds_per_step(), 0.5)
+    assert math.isclose(data.eta(), 800 * 0.5)
+    assert math.isclose(data.elapsed(T0 + 150), 150)
+    assert data.last_checkpoint == (200, "ck/step_200")
+    feed(data, [{"event": "end", "time": T0 + 120, "step": 200, "status": "completed"}])
+    assert data.eta() is None and data.elapsed(T0 + 10_000) == 120
+    assert data.status() == "completed"
+
+
+def test_nan_loss_and_grad_are_events_once_per_step():
+    data = RunData("r")
+    feed(data, [metric(s) for s in range(1, 30)])
+    feed(data, [metric(30, loss=None), metric(31, grad_norm=math.inf)])
+    feed(
+        data,
+        [
+            {
+                "event": "anomaly",
+                "time": 1,
+                "step": 30,
+                "kind": "nonfinite_loss",
+                "value": None,
+                "action": "skipped",
+            }
+        ],
+    )
+    assert kinds(data).count("nan") == 1  # the trainer's anomaly for step 30 is not repeated
+    assert "nan_grad" in kinds(data)
+    assert all(e.level == "error" for e in data.events if e.kind.startswith("nan"))
+
+
+def test_loss_and_grad_spikes_are_detected_and_normal_noise_is_not():
+    data = RunData("r")
+    feed(data, [metric(s) for s in range(1, 200)])
+    assert not {"loss_spike", "grad_spike"} & set(kinds(data))
+    feed(data, [metric(200, loss=9.0, grad_norm=50.0)])
+    spikes = [e for e in data.events if e.kind in ("loss_spike", "grad_spike")]
+    assert sorted(e.kind for e in spikes) == ["grad_spike", "loss_spike"]
+    assert all(e.step == 200 for e in spikes)
+
+
+def test_skipped_steps_counter_increase_is_an_event():
+    data = RunData("r")
+    feed(data, [metric(1), metric(2, skipped_steps=2), metric(3, skipped_steps=2)])
+    ev = [e for e in data.events if e.kind == "skipped"]
+    assert len(ev) == 1 and ev[0].step == 2 and "2 step(s) skipped" in ev[0].text
+
+
+def test_throughput_drop_fires_once_and_rearms_after_recovery():
+    data = RunData("r")
+    feed(data, [metric(s, tokens_per_s=5000.0) for s in range(1, 20)])
+    feed(data, [metric(s, tokens_per_s=2000.0) for s in range(20, 25)])
+    feed(data, [metric(s, tokens_per_s=5000.0) for s in range(25, 30)])
+    feed(data, [metric(30, tokens_per_s=1000.0)])
+    drops = [e.step for e in data.events if e.kind == "throughput_drop"]
+    assert drops == [20, 30]
+
+
+def test_stall_is_reported_once_until_new_data_and_never_after_end():
+    data = RunData("r", Settings(stall_after_s=60))
+    feed(data, [metric(1)])
+    t = data.last_report
+    assert not data.check_stall(t + 59)
+    assert data.check_stall(t + 61) and data.status() == "stalled"
+    assert not data.check_stall(t + 500)  # once
+    feed(data, [metric(2)])
+    assert kinds(data)[-1] == "resumed" and data.status() == "running"
+    feed(data, [{"event": "end", "time": data.last_report, "status": "failed", "reason": "oom"}])
+    assert not data.check_stall(t + 10_000)
+    assert data.status() == "failed"
+
+
+def test_resumed_run_repeating_steps_replaces_them():
+    data = RunData("r")
+    feed(data, [metric(s) for s in range(1, 51)])
+    feed(data, [metric(s, loss=1.0) for s in range(41, 46)])
+    assert data.steps[-6:] == [40, 41, 42, 43, 44, 45]
+    assert data.series["loss"][-1] == 1.0
+    assert "restart" in kinds(data)
+
+
+def test_view_range_and_downsampling_keep_extremes():
+    data = RunData("r")
+    feed(data, [metric(s) for s in range(1, 5001)])
+    feed(data, [metric(5001, loss=50.0)])
+    xs, ys = data.view("loss", None, buckets=100)
+    assert len(xs) <= 200 and max(ys) == 50.0  # min/max buckets keep the spike
+    xs, ys = data.view("loss", 100, buckets=1000)
+    assert xs[0] == 4901 and xs[-1] == 5001
+    xs, ys = downsample(list(range(10)), list(range(10)), 100)
+    assert xs == list(range(10))
+
+
+def test_memory_is_bounded_by_thinning():
+    data = RunData("r", Settings(max_points=1000))
+    for s in range(1, 10_001):
+        data.add(Metric(step=s, time=float(s), fields={"loss": 1.0}))
+    assert len(data.steps) <= 1000
+    assert data.steps == sorted(data.steps) and data.steps[-1] == 10_000
+    assert all(len(v) == len(data.steps) for v in data.series.values())
+
+
+def test_unknown_events_are_listed():
+    data = RunData("r")
+    data.add(Event(kind="profile", time=None, step=3, data={}))
+    assert kinds(data) == ["profile"]
+
+
+def test_formatting_helpers():
+    assert fmt_duration(3725) == "1:02:05" and fmt_duration(None) == "-"
+    assert fmt_duration(2 * 86400 + 3600) == "2d01h00m"
+    assert fmt_count(4_920_000) == "4.92M" and fmt_count(math.nan) == "-"
