@@ -1,6 +1,29 @@
 """mindloom_data: clean, deduplicate and tokenize corpora (no MindSpore)."""
 
 from mindloom_data.__about__ import __version__
+from mindloom_data._blend import BlendedDataset, build_datasets
 from mindloom_data._corpus import bundled_corpus
+from mindloom_data._indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
+from mindloom_data._loader import DataLoader, build_dataloader
+from mindloom_data._pack import PackedDataset
+from mindloom_data._pipeline import CleanError, clean
+from mindloom_data._readers import Document, iter_documents
+from mindloom_data._tokenize import tokenize
 
-__all__ = ["__version__", "bundled_corpus"]
+__all__ = [
+    "BlendedDataset",
+    "CleanError",
+    "DataLoader",
+    "Document",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "IndexedDatasetError",
+    "PackedDataset",
+    "__version__",
+    "build_dataloader",
+    "build_datasets",
+    "bundled_corpus",
+    "clean",
+    "iter_documents",
+    "tokenize",
+]

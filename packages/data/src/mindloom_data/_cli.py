@@ -13,7 +13,10 @@ import sys
 from mindloom_data.__about__ import __version__
 
 # One module per group of subcommands; add a line when a new group lands.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = [
+    "mindloom_data._cmd_tokenize",
+    "mindloom_data._cmd_clean",
+]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,629 @@
+"""The cleaning run: read -> normalize -> filters -> exact / near / paragraph dedup -> write.
+
+Every stage is a function of `(rank, world_size)` over a fixed slice of the work, as in
+datatrove, so that an executor only has to run ranks:
+
+| stage     | ranks                 | reads                         | writes (atomically)            |
+|-----------|-----------------------|-------------------------------|--------------------------------|
+| scan      | one per input file    | the input file                | clean/t.parquet, exch/*/p/t.npy, sigs/t.npy, removed/<filter>/ |
+| exact     | one per partition     | exch/exact/p/*                | exact/p.npy                    |
+| lsh       | one per partition     | exch/lsh/p/*, sigs/*          | pairs/p.npy                    |
+| cluster   | one                   | pairs/*                       | near.npy                       |
+| paragraph | one per partition     | exch/para/p/*                 | para/p.npy                     |
+| write     | one per input file    | clean/t.parquet, the above    | shard-t.parquet, removed/<dedup step>/ |
+
+A rank leaves `WORK/done/<stage>/<rank>.json` (its counts) as the last thing it does;
+a rerun skips ranks that have one. Ranks are independent of the number of workers, so
+the output is the same for any `--workers`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mindloom_data._dedup import (
+    cluster_stage,
+    exact_stage,
+    lsh_stage,
+    make_key,
+    paragraph_stage,
+    rows_for_task,
+    split_key,
+    write_partitioned,
+)
+from mindloom_data._filters import TextInfo, build_filters
+from mindloom_data._minhash import MinHasher
+from mindloom_data._normalize import Normalizer
+from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
+from mindloom_data._report import StepStats, merge_steps, summary_text
+from mindloom_data._writers import (
+    SCHEMA,
+    JsonlWriter,
+    ParquetShardWriter,
+    atomic_write_bytes,
+    atomic_write_json,
+    load_array,
+    remove_temporaries,
+    save_array,
+)
+
+DEFAULTS: dict = {
+    "text_key": "text",
+    "txt_mode": "paragraph",
+    "partitions": 4,
+    "max_bad_fraction": None,
+    "normalize": {
+        "enabled": True,
+        "nfkc": True,
+        "ansi": True,
+        "control": True,
+        "whitespace": True,
+        "zh_simplified": False,
+    },
+    "filters": {},  # name -> params or false; checked by build_filters
+    "dedup": {
+        "exact": True,
+        "minhash": {
+            "enabled": True,
+            "num_perm": 112,
+            "bands": 14,
+            "rows": 8,
+            "ngram": 5,
+            "cjk_ngram": 5,
+            "seed": 1,
+            "threshold": 0.7,
+        },
+        "paragraph": {"enabled": True, "min_chars": 30},
+    },
+    "output": {"jsonl": False, "removed": True, "keep_work": False},
+}
+
+_BATCH = 512  # documents per MinHash batch in the scan stage
+
+
+class CleanError(Exception):
+    """A problem with the inputs, the output directory or the config (one line)."""
+
+
+def load_config(source: str | os.PathLike | dict | None) -> dict:
+    """The run's config: DEFAULTS overlaid with a YAML file or a dict; unknown keys refused."""
+    if source is None:
+        user = {}
+    elif isinstance(source, dict):
+        user = source
+    else:
+        import yaml
+
+        path = Path(source)
+        try:
+            user = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise CleanError(f"cannot read config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise CleanError(
+                f"invalid YAML in {path}{where}: {getattr(exc, 'problem', exc)}"
+            ) from None
+        if not isinstance(user, dict):
+            raise CleanError(f"config {path} must be a mapping at the top level")
+    cfg = copy.deepcopy(DEFAULTS)
+    _overlay(cfg, user, "")
+    try:
+        build_filters(cfg["filters"])
+        m = cfg["dedup"]["minhash"]
+        if m["enabled"]:
+            MinHasher(
+                **{k: m[k] for k in ("num_perm", "bands", "rows", "ngram", "cjk_ngram", "seed")}
+            )
+    except (ValueError, TypeError) as exc:
+        raise CleanError(str(exc)) from None
+    if not isinstance(cfg["partitions"], int) or cfg["partitions"] < 1:
+        raise CleanError("partitions must be a positive integer")
+    return cfg
+
+
+def _overlay(base: dict, user: dict, prefix: str) -> None:
+    for k, v in user.items():
+        name = f"{prefix}{k}"
+        if k not in base:
+            raise CleanError(f"unknown config key {name} (known: {', '.join(base)})")
+        if k == "filters":
+            if not isinstance(v, dict):
+                raise CleanError("filters must be a mapping")
+            base[k] = v
+        elif isinstance(base[k], dict):
+            if isinstance(v, bool) and "enabled" in base[k]:
+                base[k]["enabled"] = v
+            elif not isinstance(v, dict):
+                raise CleanError(f"config key {name} must be a mapping")
+            else:
+                _overlay(base[k], v, name + ".")
+        else:
+            base[k] = v
+
+
+@dataclass
+class Run:
+    """Everything a rank needs; plain data so it can travel to another process."""
+
+    files: list[str]
+    output: str
+    work: str
+    cfg: dict
+
+    @property
+    def tasks(self) -> int:
+        return len(self.files)
+
+    @property
+    def partitions(self) -> int:
+        return self.cfg["partitions"]
+
+    def out(self) -> Path:
+        return Path(self.output)
+
+    def w(self) -> Path:
+        return Path(self.work)
+
+    def minhasher(self) -> MinHasher:
+        m = self.cfg["dedup"]["minhash"]
+        return MinHasher(
+            **{k: m[k] for k in ("num_perm", "bands", "rows", "ngram", "cjk_ngram", "seed")}
+        )
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class _Removed:
+    """The audit trail: removed documents of one step and rank, as JSON Lines."""
+
+    def __init__(self, run: Run, step: str, task: int):
+        self.enabled = run.cfg["output"]["removed"]
+        self.path = run.out() / "removed" / step / f"shard-{task:05d}.jsonl"
+        self._w: JsonlWriter | None = None
+
+    def add(self, doc_id, source, line, reason, text, **extra):
+        if not self.enabled:
+            return
+        if self._w is None:
+            self._w = JsonlWriter(self.path)
+        self._w.write(
+            {"id": doc_id, "source": source, "line": line, "reason": reason, **extra, "text": text}
+        )
+
+    def close(self):
+        if self._w is not None:
+            self._w.close()
+
+
+def scan_rank(run: Run, task: int) -> dict:
+    """Read one input file, normalize, filter; write kept docs and the dedup exchange files."""
+    cfg = run.cfg
+    work = run.w()
+    path = run.files[task]
+    ncfg = cfg["normalize"]
+    normalizer = (
+        Normalizer(**{k: v for k, v in ncfg.items() if k != "enabled"}) if ncfg["enabled"] else None
+    )
+    filters = build_filters(cfg["filters"])
+    dcfg = cfg["dedup"]
+    mcfg = dcfg["minhash"]
+    pcfg = dcfg["paragraph"]
+    hasher = run.minhasher() if mcfg["enabled"] else None
+
+    rstats = ReadStats()
+    steps = {"normalize": StepStats(), **{f.name: StepStats() for f in filters}}
+    removed = {name: _Removed(run, name, task) for name in steps}
+    clean = ParquetShardWriter(
+        work / "clean" / f"t{task:05d}.parquet",
+        schema=pa.schema([*SCHEMA, ("key", pa.uint64())]),
+    )
+    exact_rows, para_rows, lines = [], [], []
+    sig_blocks, lsh_rows = [], []
+    batch_text, batch_line = [], []
+
+    def flush_minhash():
+        if not batch_text:
+            return
+        sig = hasher.signatures(batch_text)
+        bands = hasher.band_hashes(sig)
+        keys = make_key(task, np.array(batch_line, np.uint64))
+        ok = ~(sig == np.uint32(0xFFFFFFFF)).all(axis=1)  # no shingles: never bucketed
+        nb = bands.shape[1]
+        rows = np.stack(
+            [
+                bands[ok].ravel(),
+                np.tile(np.arange(nb, dtype=np.uint64), int(ok.sum())),
+                np.repeat(keys[ok], nb),
+            ],
+            axis=1,
+        )
+        lsh_rows.append(rows)
+        sig_blocks.append(sig)
+        batch_text.clear()
+        batch_line.clear()
+
+    for doc in iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"]):
+        text = doc.text
+        nbytes = len(text.encode("utf-8"))
+        st = steps["normalize"]
+        st.docs_in += 1
+        st.bytes_in += nbytes
+        if normalizer is not None:
+            text = normalizer(text)
+            if not text:
+                st.drop("empty_after_normalize", doc.id, doc.text)
+                removed["normalize"].add(
+                    doc.id, doc.source, doc.line, "empty_after_normalize", doc.text
+                )
+                continue
+            nbytes = len(text.encode("utf-8"))
+        st.docs_out += 1
+        st.bytes_out += nbytes
+        info = TextInfo(text)
+        dropped = False
+        for f in filters:
+            st = steps[f.name]
+            st.docs_in += 1
+            st.bytes_in += nbytes
+            reason = f.check(text, info)
+            if reason is not None:
+                st.drop(reason, doc.id, text)
+                removed[f.name].add(doc.id, doc.source, doc.line, reason, text)
+                dropped = True
+                break
+            st.docs_out += 1
+            st.bytes_out += nbytes
+        if dropped:
+            continue
+        key = int(make_key(task, doc.line))
+        clean.write(text=text, id=doc.id, source=doc.source, line=doc.line, key=key)
+        lines.append(doc.line)
+        if dcfg["exact"]:
+            exact_rows.append((_hash64(text.encode("utf-8")), key))
+        if pcfg["enabled"]:
+            for pno, para in enumerate(text.split("\n\n")):
+                if len(para) >= pcfg["min_chars"]:
+                    para_rows.append((_hash64(para.encode("utf-8")), key, pno))
+        if hasher is not None:
+            batch_text.append(text)
+            batch_line.append(doc.line)
+            if len(batch_text) >= _BATCH:
+                flush_minhash()
+    if hasher is not None:
+        flush_minhash()
+    clean.close()
+
+    P = run.partitions
+    if dcfg["exact"]:
+        arr = np.array(exact_rows, np.uint64).reshape(-1, 2)
+        write_partitioned(work, "exact", task, arr[:, 0], arr, P)
+    if pcfg["enabled"]:
+        arr = np.array(para_rows, np.uint64).reshape(-1, 3)
+        write_partitioned(work, "para", task, arr[:, 0], arr, P)
+    if hasher is not None:
+        arr = np.concatenate(lsh_rows) if lsh_rows else np.zeros((0, 3), np.uint64)
+        write_partitioned(work, "lsh", task, arr[:, 0], arr, P)
+        sig = (
+            np.concatenate(sig_blocks) if sig_blocks else np.zeros((0, hasher.num_perm), np.uint32)
+        )
+        save_array(work / "sigs" / f"t{task:05d}.npy", sig)
+        save_array(
+            work / "sigs" / f"t{task:05d}.lines.npy", np.array(lines, np.uint64).reshape(-1, 1)
+        )
+    for r in removed.values():
+        r.close()
+    return {"read": rstats.to_dict(), "steps": {k: v.to_dict() for k, v in steps.items()}}
+
+
+def write_rank(run: Run, task: int) -> dict:
+    """Apply the dedup decisions to one task's kept documents; write its output shard."""
+    cfg = run.cfg
+    work = run.w()
+    dcfg = cfg["dedup"]
+    P = run.partitions
+    drop: dict[int, tuple[str, str, int]] = {}  # key -> (step, reason, kept key)
+    if dcfg["exact"]:
+        for p in range(P):
+            for k, kept in rows_for_task(
+                load_array(work / "exact" / f"p{p:04d}.npy", 2), task
+            ).tolist():
+                drop[k] = ("exact_dedup", "exact_duplicate", kept)
+    if dcfg["minhash"]["enabled"]:
+        for k, kept in rows_for_task(load_array(work / "near.npy", 2), task).tolist():
+            drop[k] = ("minhash_dedup", "near_duplicate", kept)
+    paras: dict[int, set[int]] = {}
+    if dcfg["paragraph"]["enabled"]:
+        for p in range(P):
+            for k, pno in rows_for_task(
+                load_array(work / "para" / f"p{p:04d}.npy", 2), task
+            ).tolist():
+                paras.setdefault(k, set()).add(pno)
+
+    names = ["exact_dedup", "minhash_dedup", "paragraph_dedup"]
+    steps = {n: StepStats() for n in names}
+    removed = {n: _Removed(run, n, task) for n in names}
+    enabled = {
+        "exact_dedup": dcfg["exact"],
+        "minhash_dedup": dcfg["minhash"]["enabled"],
+        "paragraph_dedup": dcfg["paragraph"]["enabled"],
+    }
+    shard = run.out() / f"shard-{task:05d}.parquet"
+    writer = ParquetShardWriter(shard)
+    jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
+    kept_docs = kept_bytes = 0
+    pf = pq.ParquetFile(work / "clean" / f"t{task:05d}.parquet")
+    for batch in pf.iter_batches(batch_size=2048):
+        cols = batch.to_pydict()
+        for text, doc_id, source, line, key in zip(
+            cols["text"], cols["id"], cols["source"], cols["line"], cols["key"]
+        ):
+            nbytes = len(text.encode("utf-8"))
+            gone = drop.get(key)
+            for name in names:
+                if not enabled[name]:
+                    continue
+                st = steps[name]
+                st.docs_in += 1
+                st.bytes_in += nbytes
+                if gone is not None and gone[0] == name:
+                    kt, kl = split_key(gone[2])
+                    kept_id = f"{run.files[kt]}:{kl}"
+                    st.drop(gone[1], doc_id, text)
+                    removed[name].add(doc_id, source, line, gone[1], text, duplicate_of=kept_id)
+                    break
+                if name == "paragraph_dedup" and key in paras:
+                    parts = text.split("\n\n")
+                    left = [q for i, q in enumerate(parts) if i not in paras[key]]
+                    if not left:
+                        st.drop("all_paragraphs_duplicate", doc_id, text)
+                        removed[name].add(doc_id, source, line, "all_paragraphs_duplicate", text)
+                        break
+                    st.removed["duplicate_paragraphs"] += len(parts) - len(left)
+                    text = "\n\n".join(left)
+                    nbytes = len(text.encode("utf-8"))
+                st.docs_out += 1
+                st.bytes_out += nbytes
+            else:
+                writer.write(text=text, id=doc_id, source=source, line=line)
+                if jsonl is not None:
+                    jsonl.write({"text": text, "id": doc_id, "source": source, "line": line})
+                kept_docs += 1
+                kept_bytes += nbytes
+    writer.close()
+    if jsonl is not None:
+        jsonl.close()
+    for r in removed.values():
+        r.close()
+    return {
+        "steps": {n: s.to_dict() for n, s in steps.items() if enabled[n]},
+        "output": {"documents": kept_docs, "bytes": kept_bytes},
+    }
+
+
+# --- the local executor -------------------------------------------------------------
+
+
+def _stage_fns(run: Run) -> list[tuple[str, int, Callable[[Run, int], dict | None]]]:
+    d = run.cfg["dedup"]
+    stages: list = [("scan", run.tasks, scan_rank)]
+    if d["exact"]:
+        stages.append(("exact", run.partitions, _exact))
+    if d["minhash"]["enabled"]:
+        stages.append(("lsh", run.partitions, _lsh))
+        stages.append(("cluster", 1, _cluster))
+    if d["paragraph"]["enabled"]:
+        stages.append(("paragraph", run.partitions, _paragraph))
+    stages.append(("write", run.tasks, write_rank))
+    return stages
+
+
+def _exact(run: Run, p: int):
+    exact_stage(run.w(), p, run.tasks)
+
+
+def _lsh(run: Run, p: int):
+    m = run.cfg["dedup"]["minhash"]
+    lsh_stage(
+        run.w(), p, run.tasks, run.partitions, m["threshold"] or 0.0, run.cfg["dedup"]["exact"]
+    )
+
+
+def _cluster(run: Run, _rank: int):
+    cluster_stage(run.w(), run.partitions)
+
+
+def _paragraph(run: Run, p: int):
+    d = run.cfg["dedup"]
+    kinds = (["exact"] if d["exact"] else []) + (["near"] if d["minhash"]["enabled"] else [])
+    paragraph_stage(run.w(), p, run.tasks, run.partitions, kinds)
+
+
+def run_rank(run: Run, stage: str, rank: int) -> None:
+    """Run one rank of one stage unless its completion marker exists (the unit of work)."""
+    marker = run.w() / "done" / stage / f"{rank:05d}.json"
+    if marker.exists():
+        return
+    fn = {name: f for name, _, f in _stage_fns(run)}[stage]
+    result = fn(run, rank)
+    atomic_write_json(marker, result or {})
+
+
+def _run_rank_entry(args):
+    run, stage, rank = args
+    run_rank(run, stage, rank)
+    return stage, rank
+
+
+class _Progress:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if self.enabled:
+            dt = time.perf_counter() - self.t0
+            end = "\n" if done == total else ""
+            print(
+                f"\r{stage:<10} {done}/{total} ranks  {dt:7.1f}s",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _check_output(output: Path) -> None:
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CleanError(
+            f"output directory {output} is not writable: {exc.strerror or exc}"
+        ) from None
+
+
+def clean(
+    inputs,
+    output: str | os.PathLike,
+    config: str | os.PathLike | dict | None = None,
+    workers: int = 1,
+    text_key: str | None = None,
+    progress: bool | None = None,
+) -> dict:
+    """Clean and deduplicate `inputs` into `output`; returns the report (also in report.json).
+
+    Resumable: rerunning with the same inputs and config skips finished ranks.
+    """
+    cfg = load_config(config)
+    if text_key is not None:
+        cfg["text_key"] = text_key
+    try:
+        files = resolve_inputs(inputs)
+    except ValueError as exc:
+        raise CleanError(str(exc)) from None
+    out = Path(output)
+    _check_output(out)
+    work = out / ".work"
+    ident = {"files": files, "config": cfg}
+    ident_path = work / "run.json"
+    if ident_path.exists():
+        try:
+            old = json.loads(ident_path.read_text(encoding="utf-8"))
+        except ValueError:
+            old = None
+        if old != json.loads(json.dumps(ident)):
+            raise CleanError(
+                f"{out} holds a run with other inputs or config; remove it or choose another --output"
+            )
+    elif out.exists() and any(out.glob("shard-*.parquet")):
+        raise CleanError(f"{out} already holds shards from another run; choose another --output")
+    remove_temporaries(out)
+    atomic_write_json(ident_path, ident)
+
+    run = Run(files=files, output=str(out), work=str(work), cfg=cfg)
+    show = sys.stderr.isatty() if progress is None else progress
+    prog = _Progress(show)
+    t0 = time.perf_counter()
+    pool = None
+    try:
+        if workers > 1:
+            ctx = get_context("fork") if sys.platform.startswith("linux") else get_context("spawn")
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+        for stage, ranks, _ in _stage_fns(run):
+            todo = [(run, stage, r) for r in range(ranks)]
+            done = 0
+            if pool is None:
+                for item in todo:
+                    _run_rank_entry(item)
+                    done += 1
+                    prog.update(stage, done, ranks)
+            else:
+                for _ in pool.map(_run_rank_entry, todo):
+                    done += 1
+                    prog.update(stage, done, ranks)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    report = build_report(run)
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    atomic_write_json(out / "report.json", report)
+    atomic_write_bytes(out / "summary.txt", (summary_text(report) + "\n").encode())
+    if not cfg["output"]["keep_work"]:
+        # The bulky intermediates go; markers, counts and decisions stay so a rerun is a no-op.
+        for sub in ("clean", "exch", "sigs"):
+            shutil.rmtree(work / sub, ignore_errors=True)
+    return report
+
+
+def build_report(run: Run) -> dict:
+    work = run.w()
+
+    def markers(stage, n):
+        return [json.loads((work / "done" / stage / f"{r:05d}.json").read_text()) for r in range(n)]
+
+    scans = markers("scan", run.tasks)
+    writes = markers("write", run.tasks)
+    read = ReadStats()
+    for s in scans:
+        read.merge(ReadStats.from_dict(s["read"]))
+    steps = merge_steps([s["steps"] for s in scans] + [w["steps"] for w in writes])
+    report = {
+        "inputs": run.files,
+        "read": read.to_dict(),
+        "steps": {k: v.to_dict() for k, v in steps.items()},
+        "output": {
+            "documents": sum(w["output"]["documents"] for w in writes),
+            "bytes": sum(w["output"]["bytes"] for w in writes),
+            "shards": run.tasks,
+        },
+        "config": run.cfg,
+    }
+    total = read.documents + read.bad_records
+    report["read"]["bad_fraction"] = read.bad_records / total if total else 0.0
+    if run.cfg["dedup"]["minhash"]["enabled"]:
+        report["clusters"] = _clusters(run)
+    return report
+
+
+def _clusters(run: Run, top: int = 10) -> dict:
+    near = load_array(run.w() / "near.npy", 2)
+    if len(near) == 0:
+        return {"count": 0, "documents_removed": 0, "largest": []}
+    kept, counts = np.unique(near[:, 1], return_counts=True)
+    order = np.lexsort((kept, -counts))[:top]
+
+    def name(key):
+        t, line = split_key(key)
+        return f"{run.files[t]}:{line}"
+
+    largest = []
+    for i in order:
+        members = near[near[:, 1] == kept[i], 0][:5]
+        largest.append(
+            {
+                "kept": name(kept[i]),
+                "size": int(counts[i]) + 1,
+                "members": [name(m) for m in members],
+            }
+        )
+    return {"count": int(len(kept)), "documents_removed": int(len(near)), "largest": largest}

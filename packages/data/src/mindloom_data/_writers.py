@@ -1,0 +1,141 @@
+"""Writers that never leave a half-written file under a final name.
+
+Everything is written to `NAME.tmp-<pid>` in the same directory, flushed, fsynced and
+renamed, so a killed run leaves only `*.tmp-*` files, which the next run removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA = pa.schema(
+    [("text", pa.string()), ("id", pa.string()), ("source", pa.string()), ("line", pa.int64())]
+)
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp(path)
+    tmp.write_bytes(data)
+    _commit(tmp, path)
+
+
+def atomic_write_json(path: str | Path, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
+
+
+def save_array(path: str | Path, arr: np.ndarray) -> None:
+    """An exchange file: a plain .npy (never pickled), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp(path)
+    with open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+    _commit(tmp, path)
+
+
+def load_array(path: str | Path, cols: int | None = None, dtype=np.uint64, mmap: bool = False):
+    """Load an exchange file, checking that it is what the stage that wrote it promised."""
+    try:
+        arr = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"corrupt exchange file {path}: {exc}") from exc
+    if arr.dtype != dtype or (cols is not None and (arr.ndim != 2 or arr.shape[1] != cols)):
+        raise ValueError(
+            f"corrupt exchange file {path}: expected {dtype} with {cols} columns, got {arr.dtype} {arr.shape}"
+        )
+    return arr
+
+
+class ParquetShardWriter:
+    """Cleaned documents (text, id, source, line) to one Parquet file, in row groups."""
+
+    def __init__(self, path: str | Path, schema: pa.Schema = SCHEMA, rows_per_group: int = 2048):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _tmp(self.path)
+        self.schema = schema
+        self.rows_per_group = rows_per_group
+        self._cols: dict[str, list] = {n: [] for n in schema.names}
+        self._writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self.rows = 0
+
+    def write(self, **row) -> None:
+        for k, v in row.items():
+            self._cols[k].append(v)
+        self.rows += 1
+        if len(self._cols["text"]) >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._cols["text"]:
+            self._writer.write_table(pa.table(self._cols, schema=self.schema))
+            self._cols = {n: [] for n in self.schema.names}
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+        _commit(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self._writer.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class JsonlWriter:
+    """JSON Lines written atomically; the file appears only on `close()`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _tmp(self.path)
+        self._f = open(self.tmp, "w", encoding="utf-8")  # noqa: SIM115
+        self.rows = 0
+
+    def write(self, obj: dict) -> None:
+        self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        self.rows += 1
+
+    def close(self) -> None:
+        self._f.flush()
+        self._f.close()
+        _commit(self.tmp, self.path)
+
+    def abort(self) -> None:
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def remove_temporaries(root: str | Path) -> int:
+    """Delete `*.tmp-*` leftovers of a killed run under `root`; returns how many."""
+    n = 0
+    for p in Path(root).rglob("*.tmp-*"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            n += 1
+    return n

@@ -1,0 +1,163 @@
+import json
+import random
+
+import numpy as np
+import pyarrow.parquet as pq
+from datasketch import MinHash, MinHashLSH
+from mindloom_data import clean
+from mindloom_data._minhash import MinHasher, jaccard
+
+
+def _vocab(rng, n=4000):
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(n)]
+
+
+def _doc(rng, vocab, n):
+    words = [rng.choice(vocab) for _ in range(n)]
+    return " ".join(words).capitalize() + "."
+
+
+def _near(rng, vocab, text, changes):
+    w = text.split()
+    for _ in range(changes):
+        w[rng.randrange(len(w))] = rng.choice(vocab)
+    return " ".join(w)
+
+
+def test_signatures_equal_datasketch_minhash_on_the_same_shingles():
+    m = MinHasher(num_perm=112, seed=7)
+    texts = [
+        "The quick brown fox jumps over the lazy dog, again and again and again.",
+        "two words",
+        "长江是中国最长的河流，全长约六千三百公里。 It flows east.",
+        " ".join(f"w{i}" for i in range(20_000)),  # spans several matrix chunks
+    ]
+    for sh, sig in zip(m.shingle_hashes(texts), m.signatures(texts)):
+        ref = MinHash(num_perm=112, seed=7, hashfunc=int)
+        ref.update_batch([int(x) for x in sh])
+        assert np.array_equal(ref.hashvalues, sig)
+    # Latin: word 5-grams, case-insensitive; CJK: character 5-grams ignoring spaces
+    assert len(m.shingle_hashes([texts[0]])[0]) == len(texts[0].split()) - 4
+    assert len(m.shingle_hashes(["两 个字"])[0]) == 1
+    cjk = "".join(texts[2].lower().split())
+    assert len(m.shingle_hashes([texts[2]])[0]) == len(cjk) - 4
+    a, b = m.shingle_hashes(["One Two three four five six", "one two THREE four five six"])
+    assert np.array_equal(a, b)
+
+
+def test_minhash_agrees_with_datasketch_lsh_on_candidates():
+    rng = random.Random(1)
+    vocab = _vocab(rng)
+    base = [_doc(rng, vocab, 120) for _ in range(60)]
+    docs = base + [_near(rng, vocab, t, 1) for t in base[:20]]
+    m = MinHasher()
+    sigs = m.signatures(docs)
+    lsh = MinHashLSH(num_perm=112, params=(14, 8))
+    for i, s in enumerate(sigs):
+        lsh.insert(str(i), MinHash(num_perm=112, hashvalues=s, scheme="affine32"))
+    bands = m.band_hashes(sigs)
+    for i in range(len(docs)):
+        ours = {j for j in range(len(docs)) if j != i and (bands[j] == bands[i]).any()}
+        theirs = {
+            int(k) for k in lsh.query(MinHash(num_perm=112, hashvalues=sigs[i], scheme="affine32"))
+        } - {i}
+        assert ours == theirs
+    for i in range(20):
+        assert (bands[60 + i] == bands[i]).any()
+
+
+def _write(path, texts):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+
+
+def test_planted_near_duplicates_are_removed_precisely(tmp_path):
+    rng = random.Random(2)
+    vocab = _vocab(rng)
+    originals = [_doc(rng, vocab, rng.randint(80, 160)) for _ in range(400)]
+    planted = {}  # near-dup text -> original text
+    docs = list(originals)
+    for i in range(0, 400, 4):
+        t = _near(rng, vocab, originals[i], 2)
+        planted[t] = originals[i]
+        docs.append(t)
+    rng.shuffle(docs)
+    half = len(docs) // 2
+    _write(tmp_path / "a.jsonl", docs[:half])
+    _write(tmp_path / "b.jsonl", docs[half:])
+    report = clean(
+        tmp_path / "*.jsonl", tmp_path / "out", config={"filters": {"length": {"min_units": 10}}}
+    )
+    kept = [
+        t
+        for f in sorted((tmp_path / "out").glob("shard-*.parquet"))
+        for t in pq.read_table(f).column("text").to_pylist()
+    ]
+    removed = [
+        json.loads(line)
+        for f in sorted((tmp_path / "out/removed/minhash_dedup").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    by_id = {}
+    for name in ("a", "b"):
+        for i, line in enumerate((tmp_path / f"{name}.jsonl").read_text().splitlines(), 1):
+            by_id[f"{tmp_path / name}.jsonl:{i}"] = json.loads(line)["text"]
+    # LSH at 14x8 catches a pair at Jaccard ~0.77 with p ~0.85, at 0.9 with p ~1.0; so a
+    # few of the hardest planted pairs may survive, but nothing that is not planted goes
+    assert 95 <= len(removed) <= 100 and len(kept) == 500 - len(removed)
+    for r in removed:
+        other = by_id[r["duplicate_of"]]
+        pair = {r["text"], other}
+        assert any(planted.get(x) in pair for x in pair)
+        shingles = [set(zip(*[t.lower().split()[k:] for k in range(5)])) for t in pair]
+        assert jaccard(*shingles) > 0.6
+        # keep-first: the kept document is the earlier one in input order
+        assert (r["duplicate_of"].split(":")[0], int(r["duplicate_of"].split(":")[1])) < (
+            r["source"],
+            r["line"],
+        )
+    assert report["steps"]["minhash_dedup"]["removed"] == {"near_duplicate": len(removed)}
+    assert report["clusters"]["count"] == len(removed)
+
+
+def test_exact_and_paragraph_dedup_across_the_corpus(tmp_path):
+    rng = random.Random(3)
+    vocab = _vocab(rng)
+    boiler = "Subscribe to our newsletter for the latest updates and offers today."
+    docs = []
+    for _ in range(30):
+        docs.append(_doc(rng, vocab, 60) + "\n\n" + boiler + "\n\n" + _doc(rng, vocab, 40))
+    docs.append(docs[5])  # exact duplicate
+    docs.append(boiler)  # only a duplicate paragraph: removed entirely
+    _write(tmp_path / "in.jsonl", docs)
+    cfg = {"filters": {"length": {"min_units": 1}}, "dedup": {"minhash": False}}
+    report = clean(tmp_path / "in.jsonl", tmp_path / "out", config=cfg)
+    rows = pq.read_table(tmp_path / "out/shard-00000.parquet").to_pylist()
+    texts = [r["text"] for r in rows]
+    assert len(texts) == 30
+    assert texts[0].count(boiler) == 1 and all(boiler not in t for t in texts[1:])
+    assert all(t.count("\n\n") == 1 for t in texts[1:])  # the other paragraph breaks stay
+    assert [r["line"] for r in rows] == list(range(1, 31))
+    steps = report["steps"]
+    assert steps["exact_dedup"]["removed"] == {"exact_duplicate": 1}
+    assert steps["paragraph_dedup"]["removed"] == {
+        "all_paragraphs_duplicate": 1,
+        "duplicate_paragraphs": 29,
+    }
+    ex = (tmp_path / "out/removed/exact_dedup/shard-00000.jsonl").read_text().splitlines()
+    assert json.loads(ex[0])["duplicate_of"] == f"{tmp_path / 'in.jsonl'}:6"
+
+
+def test_chinese_near_duplicates_use_character_ngrams(tmp_path):
+    rng = random.Random(4)
+    chars = [chr(c) for c in range(0x4E00, 0x4E00 + 3000)]
+    docs = ["".join(rng.choice(chars) for _ in range(200)) + "。" for _ in range(50)]
+    near = list(docs[0])
+    near[100] = "变"
+    docs.append("".join(near))
+    _write(tmp_path / "zh.jsonl", docs)
+    report = clean(tmp_path / "zh.jsonl", tmp_path / "out")
+    assert report["steps"]["minhash_dedup"]["removed"] == {"near_duplicate": 1}
+    assert report["output"]["documents"] == 50
