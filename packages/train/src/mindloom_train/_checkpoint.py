@@ -1,0 +1,528 @@
+"""Checkpoints on disk: Safetensors shards + JSON, written atomically, checked on load.
+
+    save_path/
+      step_00000100/
+        model-0000000-0000001.safetensors   weights (fp32 master copies)
+        optim-0000000-0000001.safetensors   AdamW moments: "exp_avg.NAME", "exp_avg_sq.NAME"
+        metadata.json   which tensor lives in which shard, global shape, split across ranks
+        common.json     step, consumed samples/tokens, scheduler/optimizer scalars, RNG,
+                        data position, config hash (written last inside the directory)
+        manifest.json   optional SHA-256 of every file (checkpoint.verify_integrity)
+      latest            the newest complete step, digits only, updated last
+
+A step directory is written as `.tmp-step_XXXXXXXX`, fsynced, then renamed; `latest` is
+replaced (temp + fsync + rename) after that, and only then are old steps deleted. Loading
+never unpickles anything: JSON and Safetensors only, every header checked before a byte of
+tensor data is trusted, every file name contained in its directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "mindloom-checkpoint"
+FORMAT_VERSION = 1
+TRACKER = "latest"
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+TRACKER_RE = re.compile(r"^\d+$")
+FILE_MODE = 0o640
+DIR_MODE = 0o750
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors reference limit
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def shard_name(kind: str, rank: int, world: int) -> str:
+    return f"{kind}-{rank:07d}-{world:07d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------
+# low-level atomic writes
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(path, FILE_MODE)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` so that a crash leaves either the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write_file(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path, DIR_MODE)
+
+
+# ---------------------------------------------------------------------------------------
+# safetensors, by hand: the header is checked before any allocation depends on it
+
+
+def encode_safetensors(tensors: dict[str, np.ndarray]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "np"}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        st = _NP_TO_ST.get(arr.dtype)
+        if st is None:
+            raise CheckpointError(f"tensor {name}: dtype {arr.dtype} cannot be saved")
+        header[name] = {
+            "dtype": st,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
+    return b"".join([struct.pack("<Q", len(blob)), blob, *(a.tobytes() for a in arrays)])
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(tensor entries, data start); CheckpointError naming the file on any defect."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(
+                    f"{path}: header length {n} does not fit the file ({size} bytes): "
+                    "truncated or corrupt"
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: corrupt header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if any(d < 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension")
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} offsets [{begin}, {end}] do not match shape {shape}"
+            )
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {end} but the data section has "
+                f"{data_len} bytes: truncated"
+            )
+        spans.append((begin, end, name))
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin != pos:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} overlaps or leaves a gap at byte {begin}"
+            )
+        pos = end
+    if pos != data_len:
+        raise CheckpointError(f"{path}: {data_len - pos} trailing bytes after the last tensor")
+    return header, 8 + n
+
+
+def load_safetensors(path: Path) -> dict[str, np.ndarray]:
+    header, start = read_safetensors_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            f.seek(start + begin)
+            buf = f.read(end - begin)
+            if len(buf) != end - begin:
+                raise CheckpointError(f"{path}: truncated inside tensor {name!r}")
+            dtype = np.dtype(_ST_DTYPES[entry["dtype"]]).newbyteorder("<")
+            out[name] = np.frombuffer(buf, dtype=dtype).reshape(entry["shape"]).copy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# save
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_metadata(shards: dict[str, dict[str, np.ndarray]], world: int = 1) -> dict:
+    """metadata.json for unsplit tensors: every tensor whole in one shard."""
+    tensors = {}
+    for fname, group in shards.items():
+        for name, arr in group.items():
+            tensors[name] = {
+                "file": fname,
+                "dtype": str(np.asarray(arr).dtype),
+                "global_shape": list(np.shape(arr)),
+                "split": None,
+                "chunks": [
+                    {"file": fname, "offset": [0] * np.ndim(arr), "shape": list(np.shape(arr))}
+                ],
+            }
+    return {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world, "tensors": tensors}
+
+
+def save_checkpoint(
+    save_path: Path,
+    step: int,
+    shards: dict[str, dict[str, np.ndarray]],
+    common: dict[str, Any],
+    *,
+    metadata: dict | None = None,
+    keep_last: int = 2,
+    verify_integrity: bool = False,
+    on_progress: Callable[[int, int | str], None] | None = None,
+) -> Path:
+    """Write step `step` completely, then point `latest` at it, then apply retention."""
+    save_path = Path(os.path.realpath(save_path))
+    _mkdir(save_path)
+    final = save_path / step_dirname(step)
+    tmp = save_path / f".tmp-{step_dirname(step)}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    _mkdir(tmp)
+    progress = on_progress or (lambda _s, _n: None)
+    try:
+        written = 0
+        for fname, tensors in shards.items():
+            _write_file(tmp / fname, encode_safetensors(tensors))
+            written += 1
+            progress(step, written)
+        meta = metadata if metadata is not None else default_metadata(shards)
+        _write_file(tmp / "metadata.json", _json_bytes(meta))
+        written += 1
+        progress(step, written)
+        if verify_integrity:
+            names = sorted([*shards, "metadata.json"])
+            manifest = {n: _sha256(tmp / n) for n in names}
+            _write_file(tmp / "manifest.json", _json_bytes({"sha256": manifest}))
+            written += 1
+            progress(step, written)
+        # common.json last: a directory without it is incomplete by definition
+        _write_file(tmp / "common.json", _json_bytes({**common, "step": step}))
+        written += 1
+        progress(step, written)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (after going back): swap, then drop the old
+            trash = save_path / f".old-{step_dirname(step)}-{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(save_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(step, "tracker")
+    atomic_write(save_path / TRACKER, f"{step}\n".encode())
+    os.chmod(save_path / TRACKER, FILE_MODE)
+    apply_retention(save_path, keep_last, protect=step)
+    return final
+
+
+def complete_steps(save_path: Path) -> list[int]:
+    steps = []
+    if not save_path.is_dir():
+        return steps
+    for p in save_path.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and (p / "common.json").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def apply_retention(save_path: Path, keep_last: int, protect: int) -> list[int]:
+    """Delete the oldest complete steps beyond keep_last (never `protect`)."""
+    steps = complete_steps(save_path)
+    removed = []
+    while len(steps) > max(keep_last, 1):
+        victim = steps.pop(0)
+        if victim == protect:
+            continue
+        shutil.rmtree(save_path / step_dirname(victim), ignore_errors=True)
+        removed.append(victim)
+    return removed
+
+
+def stale_temp_dirs(save_path: Path) -> list[Path]:
+    if not save_path.is_dir():
+        return []
+    return sorted(p for p in save_path.iterdir() if p.name.startswith((".tmp-step_", ".old-step_")))
+
+
+# ---------------------------------------------------------------------------------------
+# load
+
+
+def _contained(root: Path, name: Any, where: str) -> Path:
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise CheckpointError(f"{where}: file name {name!r} is not a plain name in {root}")
+    path = root / name
+    if path.is_symlink():
+        raise CheckpointError(f"{where}: {path} is a symlink; refused")
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(root):
+        raise CheckpointError(f"{where}: {name!r} resolves outside {root}")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    if path.is_symlink():
+        raise CheckpointError(f"{path}: is a symlink; refused")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (incomplete checkpoint)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return obj
+
+
+def read_tracker(save_path: Path) -> int | None:
+    """The step `latest` names; None if there is no tracker; CheckpointError if bad."""
+    tracker = save_path / TRACKER
+    if not tracker.exists() and not tracker.is_symlink():
+        return None
+    if tracker.is_symlink() or not tracker.is_file():
+        raise CheckpointError(f"{tracker}: not a regular file")
+    text = tracker.read_text(encoding="utf-8", errors="replace").strip()
+    if not TRACKER_RE.match(text):
+        raise CheckpointError(f"{tracker}: holds {text!r}, expected a step number")
+    step = int(text)
+    if not (save_path / step_dirname(step)).is_dir():
+        raise CheckpointError(
+            f"{tracker}: names step {step} but {save_path / step_dirname(step)} does not exist"
+        )
+    return step
+
+
+class Checkpoint:
+    """A checked step directory: common.json, metadata.json and the shard file list."""
+
+    def __init__(self, path: Path, verify_integrity: bool = False):
+        self.path = Path(path)
+        if self.path.is_symlink():
+            raise CheckpointError(f"{self.path}: is a symlink; refused")
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a checkpoint directory")
+        self.common = _read_json(self.path / "common.json")
+        self.metadata = _read_json(self.path / "metadata.json")
+        if self.metadata.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path / 'metadata.json'}: not a {FORMAT} file")
+        tensors = self.metadata.get("tensors")
+        if not isinstance(tensors, dict):
+            raise CheckpointError(f"{self.path / 'metadata.json'}: no tensor table")
+        files: set[str] = set()
+        where = str(self.path / "metadata.json")
+        for name, entry in tensors.items():
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"{where}: tensor {name!r} entry is not an object")
+            chunks = entry.get("chunks") or [{"file": entry.get("file")}]
+            for chunk in chunks:
+                files.add(chunk.get("file") if isinstance(chunk, dict) else chunk)
+        self.files = {f: _contained(self.path, f, where) for f in sorted(files, key=str)}
+        step = self.common.get("step")
+        if not isinstance(step, int):
+            raise CheckpointError(f"{self.path / 'common.json'}: no integer 'step'")
+        self.step = step
+        for fpath in self.files.values():
+            if not fpath.is_file():
+                raise CheckpointError(f"{fpath}: shard named in metadata.json is missing")
+            read_safetensors_header(fpath)
+        manifest = self.path / "manifest.json"
+        if verify_integrity or manifest.exists():
+            self._verify_manifest(manifest, required=verify_integrity)
+
+    def _verify_manifest(self, manifest: Path, required: bool) -> None:
+        if not manifest.exists():
+            if required:
+                raise CheckpointError(f"{manifest}: missing (checkpoint.verify_integrity is on)")
+            return
+        sums = _read_json(manifest).get("sha256")
+        if not isinstance(sums, dict):
+            raise CheckpointError(f"{manifest}: no 'sha256' table")
+        if not required:
+            return  # structure checked; hashing every byte only when asked to
+        for fname, digest in sums.items():
+            path = _contained(self.path, fname, str(manifest))
+            if not path.is_file():
+                raise CheckpointError(f"{path}: listed in manifest.json but missing")
+            if _sha256(path) != digest:
+                raise CheckpointError(f"{path}: SHA-256 does not match manifest.json (corrupt)")
+
+    def load_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Tensors by name, reassembled to their global shapes from their chunks."""
+        table = self.metadata["tensors"]
+        wanted = list(table) if names is None else list(names)
+        cache: dict[str, dict[str, np.ndarray]] = {}
+        out = {}
+        for name in wanted:
+            entry = table.get(name)
+            if entry is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not in metadata.json")
+            chunks = entry.get("chunks") or [{"file": entry["file"], "offset": None}]
+            shape = [int(d) for d in entry.get("global_shape", [])]
+            full = None
+            for chunk in chunks:
+                fname = chunk["file"]
+                if fname not in cache:
+                    cache[fname] = load_safetensors(self.files[fname])
+                key = chunk.get("key", name)
+                if key not in cache[fname]:
+                    raise CheckpointError(f"{self.files[fname]}: tensor {key!r} is missing")
+                part = cache[fname][key]
+                if len(chunks) == 1 and list(part.shape) == shape:
+                    full = part
+                    break
+                if full is None:
+                    full = np.zeros(shape, dtype=part.dtype)
+                off = chunk.get("offset") or [0] * part.ndim
+                idx = tuple(slice(o, o + s) for o, s in zip(off, part.shape))
+                full[idx] = part
+            if full is None or list(full.shape) != shape:
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} has shape {None if full is None else list(full.shape)}, "
+                    f"metadata.json says {shape}"
+                )
+            out[name] = full
+        return out
+
+
+def find_resumable(
+    save_path: Path, log: Callable[[str], None], verify_integrity: bool = False
+) -> Checkpoint | None:
+    """The newest usable checkpoint under save_path (falls back past corrupt ones).
+
+    None when there is nothing at all to resume from. CheckpointError when the tracker is
+    unusable, or when checkpoints exist but none of them loads.
+    """
+    save_path = Path(save_path)
+    for p in stale_temp_dirs(save_path):
+        log(f"checkpoint: {p.name} is an incomplete save (interrupted); ignoring it")
+    tracked = read_tracker(save_path)
+    steps = complete_steps(save_path)
+    if tracked is None and not steps:
+        return None
+    candidates = sorted({*steps, *([tracked] if tracked is not None else [])}, reverse=True)
+    if tracked is not None:
+        # never resume from a step newer than the tracker: it was not committed
+        candidates = [s for s in candidates if s <= tracked]
+    errors = []
+    for step in candidates:
+        try:
+            ckpt = Checkpoint(save_path / step_dirname(step), verify_integrity)
+        except CheckpointError as exc:
+            log(f"checkpoint: step {step} is unusable: {exc}")
+            errors.append(str(exc))
+            continue
+        if step != (tracked if tracked is not None else step):
+            log(f"checkpoint: falling back to the previous complete checkpoint, step {step}")
+        return ckpt
+    raise CheckpointError(
+        f"{save_path}: no usable checkpoint ({len(errors)} found, all unusable; last error: "
+        f"{errors[-1] if errors else 'none'})"
+    )
+
+
+def open_checkpoint(path: Path, verify_integrity: bool = False) -> Checkpoint:
+    """A step directory, or a save_path (its `latest`), for weights-only starts and tools."""
+    path = Path(path)
+    if (path / "common.json").exists() or STEP_RE.match(path.name):
+        return Checkpoint(path, verify_integrity)
+    step = read_tracker(path)
+    if step is None:
+        raise CheckpointError(f"{path}: neither a step directory nor a save path with '{TRACKER}'")
+    return Checkpoint(path / step_dirname(step), verify_integrity)

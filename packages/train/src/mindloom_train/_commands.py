@@ -1,0 +1,271 @@
+"""The subcommands of `mindloom` other than `train`: launch, generate, export-hf, check-env, demo."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class CommandError(RuntimeError):
+    """One line for `error: ...`."""
+
+
+def dispatch(args) -> int:
+    return {
+        "launch": cmd_launch,
+        "generate": cmd_generate,
+        "export-hf": cmd_export_hf,
+        "check-env": cmd_check_env,
+        "demo": cmd_demo,
+    }[args.command](args)
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoints -> models
+
+
+def load_model(checkpoint: str | os.PathLike):
+    """(Llama with the checkpoint's weights, Checkpoint) from a step dir or a save path."""
+    from mindloom_model import Llama, ModelConfig
+
+    from mindloom_train._checkpoint import CheckpointError, open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(Path(checkpoint))
+        mdict = ckpt.common.get("model_config")
+        if not isinstance(mdict, dict):
+            raise CheckpointError(f"{ckpt.path / 'common.json'}: no model_config")
+        mcfg = ModelConfig.from_dict(mdict)
+        model = Llama(mcfg)
+        params = list(model.get_parameters())
+        tensors = ckpt.load_tensors([p.name for p in params])
+    except (CheckpointError, ValueError, TypeError) as exc:
+        raise CommandError(str(exc)) from None
+    import mindspore as ms
+
+    for p in params:
+        arr = tensors[p.name]
+        if tuple(arr.shape) != tuple(p.shape):
+            raise CommandError(
+                f"{ckpt.path}: tensor {p.name!r} has shape {list(arr.shape)}, expected {list(p.shape)}"
+            )
+        p.set_data(ms.Tensor(arr, p.dtype))
+    return model, ckpt
+
+
+def _load_tokenizer(path: str | None, ckpt) -> Any:
+    from mindloom_tokenizer import Tokenizer
+
+    where = path or ckpt.common.get("tokenizer")
+    if not where:
+        raise CommandError(f"{ckpt.path}: records no tokenizer; pass --tokenizer DIR")
+    try:
+        return Tokenizer.load(where)
+    except Exception as exc:  # the tokenizer's own one-line error
+        raise CommandError(f"tokenizer {where}: {exc}") from None
+
+
+def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:  # fmt: skip
+    from mindloom_model import generate
+
+    ids = tok.encode(prompt)
+    if tok.bos_id >= 0:
+        ids = [tok.bos_id, *ids]
+    if not ids:
+        raise CommandError("the prompt encodes to no tokens")
+    out = generate(
+        model,
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=tok.eos_id if tok.eos_id >= 0 else None,
+        seed=seed,
+    )
+    row = [int(i) for i in out[0]]
+    if tok.bos_id >= 0 and row and row[0] == tok.bos_id:
+        row = row[1:]
+    if tok.eos_id >= 0 and tok.eos_id in row[len(ids) :]:
+        row = row[: row.index(tok.eos_id, len(ids) - (1 if tok.bos_id >= 0 else 0))]
+    return tok.decode(row)
+
+
+def cmd_generate(args) -> int:
+    import mindspore as ms
+
+    ms.set_context(device_target="CPU")
+    model, ckpt = load_model(args.checkpoint)
+    tok = _load_tokenizer(args.tokenizer, ckpt)
+    try:
+        text = sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
+                           args.top_k, args.top_p, args.seed)  # fmt: skip
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    print(text)
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from mindloom_model import save_hf
+
+    model, ckpt = load_model(args.checkpoint)
+    extra = {}
+    tok_dir = ckpt.common.get("tokenizer")
+    if tok_dir:
+        try:
+            tok = _load_tokenizer(None, ckpt)
+            for key, val in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)):
+                if val >= 0:
+                    extra[key] = val
+        except CommandError:
+            pass
+    try:
+        out = save_hf(model, args.out, dtype=args.dtype, **extra)
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"export-hf: {exc}") from None
+    print(f"wrote {out} (Hugging Face Llama, step {ckpt.step}, {args.dtype})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# check-env
+
+
+def cmd_check_env(args) -> int:
+    from mindloom_train._trainer import versions
+
+    for key, val in versions().items():
+        print(f"{key:20s} {val}")
+    import mindspore as ms
+    import numpy as np
+
+    try:
+        ms.set_context(device_target=args.device_target)
+        a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+        t0 = time.perf_counter()
+        got = ms.ops.matmul(ms.Tensor(a), ms.Tensor(a)).asnumpy()
+        dt = time.perf_counter() - t0
+    except Exception as exc:  # any backend failure is the answer to "does it work"
+        raise CommandError(
+            f"check-env: a 256x256 matmul on {args.device_target} failed: {exc}"
+        ) from None
+    err = float(np.abs(got - a @ a).max())
+    if not err < 1e-3:
+        raise CommandError(f"check-env: matmul result differs from numpy by {err}")
+    print(f"{'backend':20s} {ms.get_context('device_target')}")
+    print(f"{'device':20s} {_device_name(args.device_target)}")
+    print(f"{'matmul 256x256':20s} ok (max |diff| vs numpy {err:.1e}, {dt * 1000:.1f} ms)")
+    if args.nproc and args.nproc > 1:
+        import tempfile
+
+        from mindloom_parallel import LaunchError, launch
+
+        log_dir = tempfile.mkdtemp(prefix="mindloom-check-env-")
+        try:
+            launch(["-m", "mindloom_train._envcheck", str(args.nproc)], nproc=args.nproc,
+                   log_dir=log_dir, timeout_s=args.timeout, cluster_timeout_s=min(args.timeout, 120))  # fmt: skip
+        except LaunchError as exc:
+            raise CommandError(
+                f"check-env: all-reduce across {args.nproc} workers failed: {exc}"
+            ) from None
+        lines = []
+        for p in sorted(Path(log_dir).glob("worker_*.log")):
+            lines += [
+                ln
+                for ln in p.read_text(errors="replace").splitlines()
+                if ln.startswith("allreduce")
+            ]
+        if len(lines) != args.nproc or not all(ln.endswith("ok") for ln in lines):
+            raise CommandError(f"check-env: all-reduce results missing or wrong, see {log_dir}")
+        print(f"{'all-reduce':20s} ok across {args.nproc} msrun workers (logs in {log_dir})")
+    print("check-env: ok")
+    return 0
+
+
+def _device_name(target: str) -> str:
+    if target == "CPU":
+        import platform
+
+        name = platform.processor() or platform.machine()
+        try:
+            for line in open("/proc/cpuinfo", encoding="ascii", errors="replace"):
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        return f"{name}, {os.cpu_count()} logical CPUs"
+    return target
+
+
+# ---------------------------------------------------------------------------------------
+# launch
+
+
+def cmd_launch(args) -> int:
+    from mindloom_parallel import LaunchError, ParallelConfig, ParallelConfigError, launch
+
+    from mindloom_train._config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    p = cfg.parallelism
+    pcfg = ParallelConfig(dp=p.dp, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
+                          micro_batch_num=p.micro_batch_num, zero_stage=p.zero_stage)  # fmt: skip
+    world = args.nproc * args.nnodes
+    try:
+        from mindloom_parallel import validate
+
+        validate(pcfg, None, world, cfg.training.global_batch_size, cfg.training.micro_batch_size)
+    except ParallelConfigError as exc:
+        raise CommandError(f"config parallelism: {exc}") from None
+    if p.tp > 1 or p.pp > 1:
+        raise CommandError(
+            f"config parallelism: tp={p.tp} pp={p.pp}: `mindloom launch` trains data parallel "
+            "only so far (tp = pp = 1)"
+        )
+    # tokenizer and datasets are prepared once here, never raced by the workers
+    from mindloom_train import _data
+
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.node_rank == 0:
+        _data.prepare_tokenizer(cfg, log)
+        tok_path = _data.tokenizer_dir(cfg)
+        _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok_path, log)
+        if cfg.eval_dataset is not None:
+            _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", tok_path, log)
+    log_dir = args.log_dir or str(Path(cfg.run_dir) / "msrun_logs")
+    script = ["-m", "mindloom_train._worker", str(Path(args.config).resolve())]
+    for item in args.overrides:
+        script += ["--set", item]
+    try:
+        launch(
+            script,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            log_dir=log_dir,
+            cluster_timeout_s=args.timeout,
+        )
+    except LaunchError as exc:
+        raise CommandError(f"launch: {exc}") from None
+    except ParallelConfigError as exc:
+        raise CommandError(f"config parallelism: {exc}") from None
+    print(f"launch: {world} workers finished; per-rank logs in {log_dir}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# demo
+
+
+def cmd_demo(args) -> int:
+    from mindloom_train._demo import run_demo
+
+    return run_demo(run_dir=Path(args.run_dir), quick=args.quick, minutes=args.minutes)

@@ -1,0 +1,160 @@
+"""From the config's tokenizer / dataset sections to a tokenizer and packed datasets.
+
+Raw `text_input` is tokenized once into RUN_DIR/data/ (mindloom-data skips the work on a
+rerun with the same inputs), so a recipe is one command from raw text to training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mindloom_train._checkpoint import atomic_write
+from mindloom_train._config import Config, ConfigError, DatasetConfig
+
+
+def resolve_input(spec: str) -> str:
+    if spec == "bundled":
+        from mindloom_data import bundled_corpus
+
+        return str(bundled_corpus())
+    return spec
+
+
+def tokenizer_dir(cfg: Config) -> Path:
+    return Path(cfg.tokenizer.path) if cfg.tokenizer.path else Path(cfg.run_dir) / "tokenizer"
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "mindloom_tokenizer.json").exists() or (path / "tokenizer.model").exists()
+
+
+def prepare_tokenizer(cfg: Config, log) -> Any:
+    from mindloom_tokenizer import Tokenizer, train_tokenizer
+
+    path = tokenizer_dir(cfg)
+    t = cfg.tokenizer
+    if _has_tokenizer(path):
+        return Tokenizer.load(path)
+    if not t.train_input:
+        raise ConfigError(f"config key tokenizer.path: no tokenizer in {path} and no train_input")
+    src = resolve_input(t.train_input)
+    log(f"tokenizer: training a {t.model_type} tokenizer on {src} -> {path}")
+    kwargs: dict[str, Any] = {"seed": cfg.seed}
+    if not t.special_tokens:
+        kwargs.update(unk_id=-1, bos_id=-1, eos_id=-1, pad_id=-1)
+    return train_tokenizer(src, path, t.vocab_size, t.model_type, **kwargs)
+
+
+def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
+    """Apply char_range / doc_range; returns the input path to tokenize."""
+    if ds.char_range != [0.0, 1.0]:
+        if not os.path.isfile(src) or src.endswith((".jsonl", ".gz", ".zst", ".parquet")):
+            raise ConfigError(
+                f"config key char_range: needs one plain-text file as text_input, got {src!r}"
+            )
+        text = Path(src).read_text(encoding="utf-8")
+        n = len(text)
+        a, b = (int(n * f) for f in ds.char_range)
+        target = out.with_suffix(".txt")
+        atomic_write(target, text[a:b].encode("utf-8"))
+        return str(target)
+    if ds.doc_range != [0.0, 1.0]:
+        from mindloom_data._readers import iter_documents
+
+        docs = list(iter_documents(src, text_key=ds.text_key, txt_mode=ds.txt_mode))
+        n = len(docs)
+        a, b = (int(round(n * f)) for f in ds.doc_range)
+        target = out.with_suffix(".jsonl")
+        lines = "".join(json.dumps({"text": d.text}) + "\n" for d in docs[a:b])
+        atomic_write(target, lines.encode("utf-8"))
+        return str(target)
+    return src
+
+
+def _tokenize_fn():
+    import mindloom_data
+
+    fn = getattr(mindloom_data, "tokenize", None)
+    if fn is None:  # until mindloom_data exports it
+        from mindloom_data._tokenize import tokenize as fn
+    return fn
+
+
+def prepare_dataset(cfg: Config, ds: DatasetConfig, name: str, tok_path: Path, log) -> list[str]:
+    """The .bin/.idx prefixes of a dataset section (tokenizing text_input if needed)."""
+    if ds.data_prefix:
+        return list(ds.data_prefix)
+    data_dir = Path(cfg.run_dir) / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    prefix = data_dir / name
+    src = _slice_input(ds, resolve_input(ds.text_input), prefix)
+    txt_mode = ds.txt_mode
+    stats = _tokenize_fn()(
+        src,
+        tok_path,
+        prefix,
+        append_eos=ds.append_eos,
+        text_key="text" if src.endswith(".jsonl") and ds.doc_range != [0.0, 1.0] else ds.text_key,
+        txt_mode=txt_mode,
+    )
+    if not getattr(stats, "skipped", False):
+        log(
+            f"data: tokenized {src} -> {prefix}.bin/.idx ({stats.documents} documents, {stats.tokens} tokens)"
+        )
+    return [str(prefix)]
+
+
+def build_dataset(
+    cfg: Config, ds: DatasetConfig, prefixes: list[str], num_samples: int, name: str, tok
+):
+    """A PackedDataset (or a blend) with at least `num_samples` samples."""
+    import mindloom_data as md
+
+    PackedDataset = getattr(md, "PackedDataset", None)
+    if PackedDataset is None:
+        from mindloom_data._pack import PackedDataset
+
+    eos = tok.eos_id if tok.eos_id >= 0 else None
+    kwargs = dict(
+        seed=cfg.seed,
+        mode=ds.pack_mode,
+        eos_id=eos,
+        mask_eos_loss=ds.mask_eos_loss and eos is not None,
+        pad_id=tok.pad_id if tok.pad_id >= 0 else None,
+        name=name,
+    )
+    if len(prefixes) == 1:
+        return PackedDataset(prefixes[0], ds.seq_length, num_samples=num_samples, **kwargs)
+    BlendedDataset = getattr(md, "BlendedDataset", None)
+    if BlendedDataset is None:
+        from mindloom_data._blend import BlendedDataset
+    weights = ds.weights or [1.0] * len(prefixes)
+    total = sum(weights)
+    parts = [
+        PackedDataset(
+            p, ds.seq_length, num_samples=int(num_samples * w / total * 1.005) + 1, **kwargs
+        )
+        for p, w in zip(prefixes, weights)
+    ]
+    return BlendedDataset(parts, weights, num_samples, name=name)
+
+
+def build_loader(dataset, cfg: Config, *, dp_rank: int, dp_size: int, consumed: int, total: int,
+                 global_batch_size: int | None = None, micro_batch_size: int | None = None):  # fmt: skip
+    import mindloom_data as md
+
+    build = getattr(md, "build_dataloader", None)
+    if build is None:
+        from mindloom_data._loader import build_dataloader as build
+    return build(
+        dataset,
+        global_batch_size=global_batch_size or cfg.training.global_batch_size,
+        micro_batch_size=micro_batch_size or cfg.training.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        consumed_samples=consumed,
+        total_samples=total,
+    )

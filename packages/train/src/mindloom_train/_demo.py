@@ -1,0 +1,161 @@
+"""`mindloom demo`: the README's main job on the bundled corpus, end to end.
+
+clean (mindloom-data) -> train a BPE tokenizer (mindloom-tokenizer) -> tokenize and pack
+(mindloom-data) -> train a small Llama on the CPU (this package) -> checkpoint -> sample
+text and held-out perplexity. The run directory is what mindloom-monitor opens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def _say(msg: str) -> None:
+    print(f"demo: {msg}", flush=True)
+
+
+def _clean(corpus: Path, out: Path) -> str:
+    """Cleaned shards (a glob), or the raw corpus when the clean stage is unavailable."""
+    try:
+        from mindloom_data._cli import build_parser
+        from mindloom_data._cli import main as data_main
+
+        choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    except (ImportError, AttributeError, IndexError):
+        choices = {}
+    if "clean" not in choices:
+        _say(
+            "stage 1/5 clean: SKIPPED, this mindloom-data has no `clean` command; using the raw corpus"
+        )
+        return str(corpus)
+    _say(f"stage 1/5 clean: mindloom-data clean {corpus} --output {out}")
+    t0 = time.perf_counter()
+    rc = data_main(["clean", str(corpus), "--output", str(out), "--quiet"])
+    if rc != 0:
+        raise SystemExit(f"error: demo: mindloom-data clean failed (exit {rc})")
+    shards = sorted(out.glob("shard-*.parquet"))
+    if not shards:
+        raise SystemExit(f"error: demo: mindloom-data clean wrote no shards in {out}")
+    report = out / "report.json"
+    kept = ""
+    if report.exists():
+        try:
+            rep = json.loads(report.read_text())
+            kept = f", report {report}"
+            if isinstance(rep, dict):
+                docs_in = rep.get("documents_in") or rep.get("input_documents")
+                docs_out = rep.get("documents_out") or rep.get("output_documents")
+                if docs_in is not None and docs_out is not None:
+                    kept = f", kept {docs_out} of {docs_in} documents{kept}"
+        except (OSError, ValueError):
+            pass
+    _say(f"  {len(shards)} shard(s) in {time.perf_counter() - t0:.1f}s{kept}")
+    return str(out / "shard-*.parquet")
+
+
+def demo_config(run_dir: Path, text_input: str, quick: bool, minutes: float) -> dict:
+    if quick:
+        model = {"preset": "debug", "vocab_size": None}
+        seq, iters, gbs, vocab, eval_iters = 64, 30, 8, 512, 4
+    else:
+        model = {
+            "preset": "debug",
+            "vocab_size": None,
+            "hidden_size": 128,
+            "num_layers": 4,
+            "num_heads": 4,
+            "num_kv_heads": 4,
+            "ffn_hidden_size": 384,
+        }
+        seq, iters, gbs, vocab, eval_iters = 128, 1500, 16, 2048, 20
+    split = {
+        "text_input": text_input,
+        "txt_mode": "paragraph",
+        "append_eos": True,
+        "seq_length": seq,
+    }
+    return {
+        "model": model,
+        "tokenizer": {"train_input": text_input, "model_type": "bpe", "vocab_size": vocab},
+        "train_dataset": {**split, "doc_range": [0.0, 0.9]},
+        "eval_dataset": {**split, "doc_range": [0.9, 1.0]},
+        "training": {
+            "train_iters": iters,
+            "global_batch_size": gbs,
+            "micro_batch_size": gbs,
+            "eval_interval": max(iters // 5, 1),
+            "eval_iters": eval_iters,
+            "time_limit_s": None if quick else minutes * 60.0,
+        },
+        "optimizer": {"beta2": 0.99, "weight_decay": 0.1},
+        "lr_scheduler": {
+            "type": "cosine",
+            "lr": 2.0e-3,
+            "min_lr": 2.0e-4,
+            "warmup_iters": max(iters // 20, 1),
+        },  # fmt: skip
+        "checkpoint": {"save_interval": max(iters // 3, 1), "keep_last": 2},
+        "monitor": {"log_interval": 5 if quick else 25},
+        "seed": 1234,
+        "run_dir": str(run_dir),
+    }
+
+
+def run_demo(run_dir: Path, quick: bool = False, minutes: float = 3.0) -> int:
+    from mindloom_data import bundled_corpus
+
+    from mindloom_train._checkpoint import read_tracker
+    from mindloom_train._commands import load_model, sample_text
+    from mindloom_train._config import dump_config, from_dict
+    from mindloom_train._data import tokenizer_dir
+    from mindloom_train._trainer import Trainer
+
+    t_all = time.perf_counter()
+    if run_dir.exists():
+        # a demo is a fresh run: never resume someone's old demo by accident
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    corpus = bundled_corpus()
+    _say(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.2f} MB, tiny Shakespeare)")
+    text_input = _clean(corpus, run_dir / "cleaned")
+
+    cfg = from_dict(demo_config(run_dir, text_input, quick, minutes))
+    cfg_path = run_dir / "demo-config.yaml"
+    cfg_path.write_text(dump_config(cfg))
+    _say(f"stage 2/5 tokenizer: BPE, {cfg.tokenizer.vocab_size} ids (mindloom-tokenizer)")
+    _say(
+        "stage 3/5 tokenize + pack: Megatron .bin/.idx, 90/10 documents train/held-out (mindloom-data)"
+    )
+    budget = "a few seconds" if quick else f"up to {minutes:g} min"
+    _say(f"stage 4/5 train: a small Llama on the CPU for {budget} (config {cfg_path})")
+    trainer = Trainer(cfg, console=sys.stdout)
+    code = trainer.run()
+    if code != 0:
+        print(
+            f"error: demo: training failed (exit {code}); see {run_dir / 'train.log'}",
+            file=sys.stderr,
+        )
+        return code
+    save_path = cfg.save_path
+    step = read_tracker(save_path)
+    _say(f"stage 5/5 checkpoint + sample: {save_path} (latest step {step})")
+    model, ckpt = load_model(save_path)
+    from mindloom_tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_dir(cfg))
+    text = sample_text(
+        model, tok, "ROMEO:", 120 if not quick else 40, temperature=0.8, top_k=50, seed=0
+    )
+    print("\n----- sample (prompt 'ROMEO:') -----")
+    print(text)
+    print("------------------------------------")
+    if trainer.last_eval is not None:
+        loss, ppl = trainer.last_eval
+        print(f"held-out loss {loss:.4f}, perplexity {ppl:.2f} (step {trainer.step})")
+    print(f"run directory: {run_dir}  (watch it: mindloom-monitor {run_dir})")
+    print(f"demo finished in {time.perf_counter() - t_all:.0f}s")
+    return 0

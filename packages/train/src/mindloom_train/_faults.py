@@ -1,0 +1,97 @@
+"""Test-only fault injection, driven by the MINDLOOM_FAULT environment variable.
+
+So that reliability tests never depend on timing luck, a fault fires at an exact step:
+
+    MINDLOOM_FAULT="nan_loss@5"            the loss of update 5 becomes NaN
+    MINDLOOM_FAULT="inf_grad@5"            one gradient of update 5 becomes +Inf
+    MINDLOOM_FAULT="grad_spike@5"          the gradients of update 5 are scaled by 1e6
+    MINDLOOM_FAULT="pause_save@4:2"        the save at step 4 stops after writing 2 files
+                                           (prints a marker line, then sleeps: kill -9 it)
+    MINDLOOM_FAULT="pause_save@4:tracker"  ... after the rename, before `latest` is updated
+    MINDLOOM_FAULT="fail_save@4:2"         the save at step 4 raises ENOSPC after 2 files
+    MINDLOOM_FAULT="sigterm@6"             SIGTERM to this process during update 6
+    MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
+
+Several faults are separated by commas; a step range `a-b` fires on every step in it.
+An unset variable costs nothing. Never set it in production.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+ENV = "MINDLOOM_FAULT"
+PAUSE_MARKER = "MINDLOOM_FAULT: paused"
+_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm"}
+_SAVE_KINDS = {"pause_save", "fail_save"}
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    first: int
+    last: int
+    arg: str | None
+
+
+def parse(spec: str | None) -> list[Fault]:
+    faults = []
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, rest = item.partition("@")
+        if kind not in _STEP_KINDS | _SAVE_KINDS or not rest:
+            raise FaultSpecError(f"{ENV}: cannot parse {item!r}")
+        steps, _, arg = rest.partition(":")
+        try:
+            a, _, b = steps.partition("-")
+            first, last = int(a), int(b or a)
+        except ValueError:
+            raise FaultSpecError(f"{ENV}: bad step in {item!r}") from None
+        faults.append(Fault(kind, first, last, arg or None))
+    return faults
+
+
+class FaultInjector:
+    def __init__(self, spec: str | None = None, rank: int = 0):
+        self.faults = parse(os.environ.get(ENV) if spec is None else spec)
+        self.rank = rank
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _hits(self, kind: str, step: int) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind and f.first <= step <= f.last]
+
+    def step_fault(self, kind: str, step: int) -> bool:
+        for f in self._hits(kind, step):
+            if f.arg is None or int(f.arg) == self.rank:
+                return True
+        return False
+
+    def maybe_sigterm(self, step: int) -> None:
+        if self.step_fault("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save_progress(self, step: int, files_written: int | str) -> None:
+        """Called by the checkpoint writer after each file and before the tracker update."""
+        for f in self._hits("pause_save", step):
+            if f.arg == str(files_written):
+                print(
+                    f"{PAUSE_MARKER} step={step} after={files_written}", file=sys.stderr, flush=True
+                )
+                while True:  # the test kills us here
+                    time.sleep(3600)
+        for f in self._hits("fail_save", step):
+            if f.arg == str(files_written):
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")

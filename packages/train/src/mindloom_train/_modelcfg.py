@@ -1,0 +1,102 @@
+"""The `model` section: a preset plus ModelConfig fields, checked against mindloom_model."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from mindloom_train._config import Config, ConfigError, _coerce
+
+# Owned by other sections so that one knob never has two places.
+_ELSEWHERE = {
+    "compute_dtype": "precision.compute_dtype",
+    "recompute": "recompute.mode",
+    "recompute_layers": "recompute.layers",
+}
+_EXTRA = {"preset", "init_from_hf"}
+_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_RECOMPUTE = {"none": "none", "full": "full", "selected": "selected"}
+
+
+def _model_fields() -> dict[str, Any]:
+    from mindloom_model import ModelConfig
+
+    return typing.get_type_hints(ModelConfig)
+
+
+def validate_section(model: dict[str, Any]) -> None:
+    hints = _model_fields()
+    for key, value in model.items():
+        if key in _ELSEWHERE:
+            raise ConfigError(f"config key model.{key}: set it as {_ELSEWHERE[key]} instead")
+        if key in _EXTRA:
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"config key model.{key}: expected a string, got {value!r}")
+            continue
+        if key == "vocab_size" and value is None:
+            continue  # the tokenizer's
+        if key not in hints:
+            known = ", ".join(sorted(set(hints) - set(_ELSEWHERE) | _EXTRA))
+            raise ConfigError(f"config key model.{key}: unknown key (known: {known})")
+        model[key] = _coerce(f"model.{key}", value, hints[key])
+    preset = model.get("preset")
+    if preset is None and "init_from_hf" not in model:
+        # a full spec without a preset is fine, the dataclass defaults fill the rest
+        pass
+    if preset is not None:
+        from mindloom_model import get_preset
+
+        try:
+            get_preset(preset, **_overrides(model, vocab_size=None, seq_length=None))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"config key model: {exc}") from None
+
+
+def _overrides(model: dict[str, Any], vocab_size: int | None, seq_length: int | None) -> dict:
+    out = {k: v for k, v in model.items() if k not in _EXTRA}
+    if out.get("vocab_size") is None:
+        out.pop("vocab_size", None)
+        if vocab_size is not None:
+            out["vocab_size"] = vocab_size
+    if "max_seq_len" not in out and seq_length is not None:
+        out["max_seq_len"] = seq_length
+    return out
+
+
+def build_model_config(cfg: Config, vocab_size: int | None):
+    """The ModelConfig of a run: preset + section + precision/recompute + tokenizer vocab."""
+    from mindloom_model import ModelConfig, get_preset
+
+    over = _overrides(cfg.model, vocab_size, cfg.train_dataset.seq_length)
+    over["compute_dtype"] = _DTYPE[cfg.precision.compute_dtype]
+    if cfg.recompute.mode != "none":
+        over["recompute"] = _RECOMPUTE[cfg.recompute.mode]
+        over["recompute_layers"] = list(cfg.recompute.layers)
+    over.setdefault("init_seed", cfg.seed)
+    try:
+        preset = cfg.model.get("preset")
+        mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config key model: {exc}") from None
+    if mcfg.max_seq_len < cfg.train_dataset.seq_length:
+        raise ConfigError(
+            f"config key model.max_seq_len: {mcfg.max_seq_len} is shorter than "
+            f"train_dataset.seq_length {cfg.train_dataset.seq_length}"
+        )
+    return mcfg
+
+
+def model_shape(mcfg) -> dict[str, Any]:
+    """The fields a checkpoint must agree on to be loaded into this model."""
+    d = dataclasses.asdict(mcfg)
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "ffn_hidden_size",
+        "tie_embeddings",
+    ]
+    return {k: d[k] for k in keys if k in d}

@@ -1,0 +1,199 @@
+"""The compiled train step: forward, loss, backward, global grad norm, guards, clip, AdamW.
+
+One MindSpore graph does the whole update, so the host only feeds a batch and a small
+vector of per-step scalars (`hyper`) and reads back (loss, grad norm, ok). The update is
+applied only when `ok` (finite loss and grad norm, grad norm under the spike threshold);
+otherwise weights and optimizer state are untouched.
+
+AdamW is MindSpore's fused `AdamWeightDecay` kernel with torch's bias correction folded
+into its scalars: lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2), which
+gives exactly p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p). Moments are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+# layout of the `hyper` vector fed to every step
+H_LR, H_B1, H_B2, H_EPS, H_WD, H_CLIP, H_SPIKE, H_SCALE, H_LPOISON, H_GPOISON, H_GMULT = range(11)
+H_PREV_LOSS, H_NMICRO = 11, 12
+H_SIZE = 13
+
+_adamw = ops.AdamWeightDecay()
+
+
+def decay_flags(params, decay_embeddings: bool) -> list[float]:
+    """1.0 for weights that decay: matrices; never norms/biases (1-D); embeddings optional."""
+    flags = []
+    for p in params:
+        is_embed = p.name.startswith("embed") or "embed" in p.name.split(".")[0]
+        if p.ndim < 2:
+            flags.append(0.0)
+        elif is_embed and not decay_embeddings:
+            flags.append(0.0)
+        else:
+            flags.append(1.0)
+    return flags
+
+
+class _Base(nn.Cell):
+    def _grads(self, tokens, labels, position_ids, segment_ids, loss_mask, scale):
+        loss = self.loss_net(tokens, labels, position_ids, segment_ids, loss_mask)
+        sens = ops.fill(loss.dtype, (), 1.0) * scale
+        grads = self.grad(self.loss_net, self.weights)(
+            tokens, labels, position_ids, segment_ids, loss_mask, sens
+        )
+        return loss, grads
+
+
+class AccumStep(_Base):
+    """A non-final micro-batch of an accumulated step: add its (scaled) grads to buffers."""
+
+    def __init__(self, loss_net: nn.Cell, weights, acc):
+        super().__init__(auto_prefix=False)
+        self.loss_net = loss_net
+        self.weights = weights
+        self.acc = acc
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+
+    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper):
+        loss, grads = self._grads(
+            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE]
+        )
+        for i in range(len(self.acc)):
+            loss = ops.depend(loss, ops.assign_add(self.acc[i], grads[i].astype(ms.float32)))
+        return loss
+
+
+class TrainStep(_Base):
+    """The final (or only) micro-batch of a step, and the optimizer update."""
+
+    def __init__(
+        self,
+        loss_net: nn.Cell,
+        weights,
+        flags: list[float],
+        accum_steps: int = 1,
+        grad_reducer: nn.Cell | None = None,
+        loss_reducer: nn.Cell | None = None,
+    ):
+        super().__init__(auto_prefix=False)
+        self.loss_net = loss_net
+        self.weights = weights
+        self.flags = flags
+        self.accum_steps = accum_steps
+        self.exp_avg = ms.ParameterTuple(
+            [Parameter(np.zeros(p.shape, np.float32), name="exp_avg." + p.name, requires_grad=False) for p in weights]
+        )  # fmt: skip
+        self.exp_avg_sq = ms.ParameterTuple(
+            [Parameter(np.zeros(p.shape, np.float32), name="exp_avg_sq." + p.name, requires_grad=False) for p in weights]
+        )  # fmt: skip
+        if accum_steps > 1:
+            self.acc = ms.ParameterTuple(
+                [Parameter(np.zeros(p.shape, np.float32), name="grad_acc." + p.name, requires_grad=False) for p in weights]
+            )  # fmt: skip
+        else:
+            self.acc = None
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_reducer = grad_reducer
+        self.loss_reducer = loss_reducer
+
+    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper):
+        scale = hyper[H_SCALE]
+        loss, grads = self._grads(tokens, labels, position_ids, segment_ids, loss_mask, scale)
+        inv = hyper[H_GMULT] / (scale * hyper[H_NMICRO])
+        out = ()
+        for i in range(len(grads)):
+            g = grads[i].astype(ms.float32)
+            if self.acc is not None:
+                g = g + self.acc[i]
+            out = out + (g * inv,)
+        grads = out
+        # mean micro-batch loss over the step; then test-only poison (0.0 = exact no-op)
+        loss = (loss.astype(ms.float32) + hyper[H_PREV_LOSS]) / hyper[H_NMICRO] + hyper[H_LPOISON]
+        if self.grad_reducer is not None:
+            grads = self.grad_reducer(grads)
+        if self.loss_reducer is not None:
+            loss = self.loss_reducer(loss)
+        grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
+        sq = ()
+        for g in grads:
+            sq = sq + ((g * g).sum(),)
+        gnorm = ops.sqrt(ops.addn(sq))
+        ok = ops.logical_and(ops.isfinite(loss), ops.isfinite(gnorm))
+        ok = ops.logical_and(ok, gnorm <= hyper[H_SPIKE])
+        clip = hyper[H_CLIP]
+        factor = ops.select(
+            clip > 0, ops.minimum(clip / (gnorm + 1e-6), 1.0), ops.ones((), ms.float32)
+        )
+        if ok:
+            for i in range(len(grads)):
+                r = _adamw(
+                    self.weights[i],
+                    self.exp_avg[i],
+                    self.exp_avg_sq[i],
+                    hyper[H_LR],
+                    hyper[H_B1],
+                    hyper[H_B2],
+                    hyper[H_EPS],
+                    hyper[H_WD] * self.flags[i],
+                    grads[i] * factor,
+                )
+                loss = ops.depend(loss, r)
+        if self.acc is not None:
+            for i in range(len(self.acc)):
+                loss = ops.depend(loss, ops.assign(self.acc[i], ops.zeros_like(self.acc[i])))
+        return loss, gnorm, ok
+
+
+class EvalStep(nn.Cell):
+    def __init__(self, loss_net: nn.Cell, loss_reducer: nn.Cell | None = None):
+        super().__init__(auto_prefix=False)
+        self.loss_net = loss_net
+        self.loss_reducer = loss_reducer
+
+    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
+        loss = self.loss_net(tokens, labels, position_ids, segment_ids, loss_mask)
+        if self.loss_reducer is not None:
+            loss = self.loss_reducer(loss)
+        return loss
+
+
+def hyper_vector(
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_step: int,
+    clip: float,
+    spike: float | None,
+    loss_scale: float,
+    nan_loss: bool = False,
+    inf_grad: bool = False,
+    grad_mult: float = 1.0,
+    prev_loss_sum: float = 0.0,
+    n_micro: int = 1,
+) -> Tensor:
+    """Per-step scalars; `adam_step` is the 1-based count of applied updates (bias correction)."""
+    bc1 = 1.0 - beta1**adam_step
+    bc2 = 1.0 - beta2**adam_step
+    h = np.zeros(H_SIZE, np.float32)
+    h[H_LR] = lr * math.sqrt(bc2) / bc1
+    h[H_B1], h[H_B2] = beta1, beta2
+    h[H_EPS] = eps * math.sqrt(bc2)
+    h[H_WD] = weight_decay * bc1 / math.sqrt(bc2)
+    h[H_CLIP] = clip
+    h[H_SPIKE] = np.inf if spike is None else spike
+    h[H_SCALE] = loss_scale
+    h[H_LPOISON] = np.nan if nan_loss else 0.0
+    h[H_GPOISON] = np.inf if inf_grad else 0.0
+    h[H_GMULT] = grad_mult
+    h[H_PREV_LOSS] = prev_loss_sum
+    h[H_NMICRO] = n_micro
+    return Tensor(h)

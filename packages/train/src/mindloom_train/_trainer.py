@@ -1,0 +1,730 @@
+"""The training loop: data -> compiled step -> guards -> metrics -> eval -> checkpoints.
+
+Exit codes of `run()` (and `mindloom train`): 0 completed, or stopped cleanly by SIGTERM /
+SIGINT after saving; 1 failed (bad config, unusable checkpoint, failed save); 3 stopped by
+the anomaly guard (K consecutive skipped updates), with a checkpoint of the last good state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mindloom_train import _checkpoint as ck
+from mindloom_train._config import Config, ConfigError, dump_config
+from mindloom_train._faults import FaultInjector
+from mindloom_train._metrics import MetricsWriter, RunLog, mem_rss_mb, peak_flops, progress_text
+from mindloom_train._schedule import lr_at, schedule_signature
+
+EXIT_OK, EXIT_FAILED, EXIT_ANOMALY = 0, 1, 3
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on; one line."""
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for dist in [
+        "mindspore",
+        "numpy",
+        "mindloom-train",
+        "mindloom-model",
+        "mindloom-data",
+        "mindloom-tokenizer",
+        "mindloom-parallel",
+    ]:
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _rng_state() -> dict[str, Any]:
+    import mindspore as ms
+
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    py = random.getstate()
+    return {
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "python": [py[0], list(py[1]), py[2]],
+        "mindspore": ms.get_rng_state().asnumpy().tolist(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import mindspore as ms
+
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, gauss))
+    v, internal, g = state["python"]
+    random.setstate((v, tuple(internal), g))
+    cur = ms.get_rng_state()
+    ms.set_rng_state(ms.Tensor(np.asarray(state["mindspore"], dtype=cur.asnumpy().dtype)))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, console=None, fault_spec: str | None = None):
+        self.cfg = cfg
+        self.console = console
+        self.rank, self.world = 0, 1
+        self.dp_rank, self.dp_size = 0, 1
+        self.fault = FaultInjector(fault_spec, rank=self.rank)
+        self._stop_signal: str | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup_dirs(self) -> None:
+        cfg = self.cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.save_path = Path(os.path.realpath(cfg.save_path))
+        is_main = self.rank == 0
+        self.log = RunLog(self.run_dir / "train.log" if is_main else None, self.console, self.rank)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if is_main else None)
+        if is_main:
+            ck.atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
+
+    def _setup_context(self) -> None:
+        import mindspore as ms
+
+        c = self.cfg.context
+        kwargs: dict[str, Any] = {
+            "mode": ms.GRAPH_MODE if c.mode == "graph" else ms.PYNATIVE_MODE,
+            "device_target": c.device_target,
+        }
+        if c.device_target != "CPU":
+            kwargs["device_id"] = c.device_id
+        if c.max_device_memory:
+            kwargs["max_device_memory"] = c.max_device_memory
+        ms.set_context(**kwargs)
+        if c.num_threads:
+            ms.set_context(runtime_num_threads=c.num_threads)
+        ms.set_seed(self.cfg.seed)
+        np.random.seed(self.cfg.seed)
+        random.seed(self.cfg.seed)
+
+    def _build_model(self, vocab_size: int):
+        from mindloom_model import Llama, LlamaWithLoss
+
+        from mindloom_train._modelcfg import _DTYPE, build_model_config
+
+        hf = self.cfg.model.get("init_from_hf")
+        if hf:
+            from mindloom_model import load_hf
+
+            over: dict[str, Any] = {"compute_dtype": _DTYPE[self.cfg.precision.compute_dtype]}
+            if "dropout" in self.cfg.model:
+                over["dropout"] = self.cfg.model["dropout"]
+            try:
+                model = load_hf(hf, **over)
+            except (ValueError, OSError) as exc:
+                raise TrainError(f"model.init_from_hf: {exc}") from None
+            mcfg = model.config
+            if vocab_size > mcfg.vocab_size:
+                raise TrainError(
+                    f"model.init_from_hf: the tokenizer has {vocab_size} ids but the model "
+                    f"only {mcfg.vocab_size}"
+                )
+            if mcfg.max_seq_len < self.cfg.train_dataset.seq_length:
+                raise TrainError(
+                    f"model.init_from_hf: max_seq_len {mcfg.max_seq_len} < train_dataset.seq_length "
+                    f"{self.cfg.train_dataset.seq_length}"
+                )
+            self.log(f"model: weights from Hugging Face directory {hf}")
+        else:
+            mcfg = build_model_config(self.cfg, vocab_size)
+            model = Llama(mcfg)
+        self.mcfg = mcfg
+        self.model = model
+        self.loss_net = LlamaWithLoss(model)
+        self.params = list(model.trainable_params())
+
+    def _build_steps(self) -> None:
+        import mindspore as ms
+
+        from mindloom_train import _step
+
+        cfg = self.cfg
+        weights = ms.ParameterTuple(self.params)
+        flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
+        self.accum = cfg.grad_accum_steps
+        self.train_step = _step.TrainStep(self.loss_net, weights, flags, self.accum)
+        self.accum_step = (
+            _step.AccumStep(self.loss_net, weights, self.train_step.acc) if self.accum > 1 else None
+        )
+        self.eval_step = _step.EvalStep(self.loss_net)
+
+    # ------------------------------------------------------------------ state
+
+    def _model_tensors(self) -> dict[str, np.ndarray]:
+        import mindspore as ms
+
+        return {
+            p.name: p.astype(ms.float32).asnumpy() if p.dtype != ms.float32 else p.asnumpy()
+            for p in self.params
+        }
+
+    def _opt_tensors(self) -> dict[str, np.ndarray]:
+        t = {}
+        for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq):
+            t[p.name] = p.asnumpy()
+        return t
+
+    def _load_params(
+        self, params, tensors: dict[str, np.ndarray], where: str, prefix: str = ""
+    ) -> None:
+        import mindspore as ms
+
+        names = {p.name for p in params}
+        have = {k for k in tensors if k.startswith(prefix)} if prefix else set(tensors)
+        missing = sorted(names - have)
+        extra = sorted(have - names)
+        if missing:
+            raise ck.CheckpointError(
+                f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)"
+            )
+        if extra:
+            raise ck.CheckpointError(
+                f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)"
+            )
+        for p in params:
+            arr = tensors[p.name]
+            if tuple(arr.shape) != tuple(p.shape):
+                raise ck.CheckpointError(
+                    f"{where}: tensor {p.name!r} has shape {list(arr.shape)}, the model expects {list(p.shape)}"
+                )
+            p.set_data(ms.Tensor(arr, p.dtype))
+
+    def _common(self) -> dict[str, Any]:
+        from mindloom_train._modelcfg import model_shape
+
+        cfg = self.cfg
+        return {
+            "format": ck.FORMAT,
+            "consumed_samples": self.consumed,
+            "consumed_tokens": self.consumed * cfg.train_dataset.seq_length,
+            "global_batch_size": cfg.training.global_batch_size,
+            "world_size": self.world,
+            "config_hash": self.config_hash,
+            "seed": cfg.seed,
+            "adam_step": self.adam_step,
+            "skipped_steps": self.skipped_total,
+            "loss_smoothed": self.loss_smoothed,
+            "loss_scale": {"scale": self.loss_scale, "good_steps": self.scale_good_steps},
+            "lr": self.last_lr,
+            "lr_scheduler": schedule_signature(cfg.lr_scheduler, cfg.training.train_iters),
+            "optimizer": dataclasses.asdict(cfg.optimizer),
+            "rng": _rng_state(),
+            "data": {"consumed_samples": self.consumed},
+            "model_config": dataclasses.asdict(self.mcfg),
+            "model_shape": model_shape(self.mcfg),
+            "tokenizer": str(self.tok_path.resolve()) if self.tok_path else None,
+            "versions": versions(),
+            "time": time.time(),
+        }
+
+    def save(self, step: int, reason: str) -> Path:
+        t0 = time.perf_counter()
+        shards = {
+            ck.shard_name("model", 0, 1): self._model_tensors(),
+            ck.shard_name("optim", 0, 1): self._opt_tensors(),
+        }
+        path = ck.save_checkpoint(
+            self.save_path,
+            step,
+            shards,
+            self._common(),
+            keep_last=self.cfg.checkpoint.keep_last,
+            verify_integrity=self.cfg.checkpoint.verify_integrity,
+            on_progress=self.fault.on_save_progress if self.fault else None,
+        )
+        dt = time.perf_counter() - t0
+        self.log(f"checkpoint: saved step {step} to {path} ({reason}, {dt:.2f}s)")
+        self.metrics.event(
+            "checkpoint", step=step, path=str(path), reason=reason, seconds=round(dt, 3)
+        )
+        self.last_saved_step = step
+        return path
+
+    def _resume(self) -> None:
+        """Auto-resume, weights-only start, or fresh; sets step / consumed / optimizer state."""
+        from mindloom_train._modelcfg import model_shape
+
+        cfg, c = self.cfg, self.cfg.checkpoint
+        self.step = 0
+        self.consumed = 0
+        ckpt = None
+        if c.resume != "never":
+            ckpt = ck.find_resumable(self.save_path, self.log, c.verify_integrity)
+            if ckpt is None:
+                if c.resume == "required":
+                    raise TrainError(
+                        f"checkpoint.resume=required but {self.save_path} holds no checkpoint"
+                    )
+                self.log(f"checkpoint: nothing to resume in {self.save_path}; starting fresh")
+        if ckpt is not None:
+            common = ckpt.common
+            where = str(ckpt.path)
+            if common.get("model_shape") != model_shape(self.mcfg):
+                raise TrainError(
+                    f"{where}: model shape {common.get('model_shape')} differs from the config's "
+                    f"{model_shape(self.mcfg)}"
+                )
+            sig = schedule_signature(cfg.lr_scheduler, cfg.training.train_iters)
+            if common.get("lr_scheduler") != sig and not c.override_schedule:
+                old = common.get("lr_scheduler") or {}
+                diff = [k for k in sig if old.get(k) != sig[k]]
+                raise TrainError(
+                    f"{where}: LR schedule differs from the checkpoint's in {', '.join(diff)} "
+                    f"({', '.join(f'{k}: {old.get(k)!r} -> {sig[k]!r}' for k in diff)}); "
+                    "set checkpoint.override_schedule=true to accept"
+                )
+            tensors = ckpt.load_tensors()
+            self._load_params(self.params, tensors, where)
+            opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
+            opt = {k: v for k, v in tensors.items() if k.startswith(("exp_avg.", "exp_avg_sq."))}
+            self._load_params(opt_params, opt, where)
+            gbs = cfg.training.global_batch_size
+            self.consumed = int(common["consumed_samples"])
+            old_gbs = int(common.get("global_batch_size", gbs))
+            if self.consumed % gbs:
+                raise TrainError(
+                    f"{where}: consumed_samples {self.consumed} is not a multiple of the new "
+                    f"global_batch_size {gbs}"
+                )
+            self.step = self.consumed // gbs
+            if old_gbs != gbs:
+                self.log(
+                    f"checkpoint: global batch size {old_gbs} -> {gbs}; consumed_samples "
+                    f"{self.consumed} kept, step {ckpt.step} -> {self.step}"
+                )
+            self.adam_step = int(common.get("adam_step", 0))
+            self.skipped_total = int(common.get("skipped_steps", 0))
+            self.loss_smoothed = common.get("loss_smoothed")
+            ls = common.get("loss_scale") or {}
+            self.loss_scale = float(ls.get("scale", self.loss_scale))
+            self.scale_good_steps = int(ls.get("good_steps", 0))
+            if common.get("rng"):
+                _set_rng_state(common["rng"])
+            self.resumed_from = str(ckpt.path)
+            self.log(
+                f"checkpoint: resumed from {ckpt.path} (step {self.step}, "
+                f"consumed_samples {self.consumed})"
+            )
+            return
+        if c.init_from:
+            try:
+                src = ck.open_checkpoint(Path(c.init_from), c.verify_integrity)
+            except ck.CheckpointError as exc:
+                raise TrainError(f"checkpoint.init_from: {exc}") from None
+            names = [p.name for p in self.params]
+            have = set(src.metadata["tensors"])
+            missing = [n for n in names if n not in have]
+            if missing:
+                raise TrainError(f"checkpoint.init_from: {src.path} has no tensor {missing[0]!r}")
+            tensors = src.load_tensors(names)
+            self._load_params(self.params, tensors, str(src.path))
+            self.resumed_from = None
+            self.log(
+                f"checkpoint: weights from {src.path} (step {src.step}); fresh optimizer state "
+                "and LR schedule (continued pretraining)"
+            )
+
+    # ------------------------------------------------------------------ signals
+
+    def _on_signal(self, signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_signal is None:
+            self._stop_signal = name
+        else:  # a second signal: stop waiting
+            raise KeyboardInterrupt
+
+    def _install_signals(self) -> dict:
+        old = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                old[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread
+                pass
+        return old
+
+    # ------------------------------------------------------------------ eval
+
+    def evaluate(self, step: int) -> float | None:
+        import mindspore as ms
+
+        if self.eval_data is None:
+            return None
+        cfg = self.cfg
+        mbs = cfg.training.micro_batch_size
+        loader = self._make_loader(self.eval_data, 0, cfg.training.eval_iters * mbs * self.dp_size,
+                                   gbs=mbs * self.dp_size)  # fmt: skip
+        losses = []
+        for batch in loader:
+            out = self.eval_step(*self._tensors(batch))
+            losses.append(float(out.asnumpy()))
+        loader.close()
+        loss = float(np.mean(losses)) if losses else float("nan")
+        ppl = math.exp(loss) if loss < 700 else float("inf")
+        self.last_eval = (loss, ppl)
+        self.log(f"eval: step {step} held-out loss {loss:.4f} ppl {ppl:.2f}")
+        self.metrics.event("eval", step=step, loss=loss, ppl=ppl)
+        del ms
+        return loss
+
+    # ------------------------------------------------------------------ helpers
+
+    def _make_loader(self, dataset, consumed: int, total: int, gbs: int | None = None):
+        from mindloom_train._data import build_loader
+
+        return build_loader(dataset, self.cfg, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                            consumed=consumed, total=total, global_batch_size=gbs)  # fmt: skip
+
+    @staticmethod
+    def _tensors(batch: dict[str, np.ndarray]):
+        from mindspore import Tensor
+
+        return (
+            Tensor(batch["tokens"]),
+            Tensor(batch["labels"]),
+            Tensor(batch["position_ids"]),
+            Tensor(batch["segment_ids"]),
+            Tensor(batch["loss_mask"]),
+        )
+
+    def _anomaly(self, step: int, kind: str, value: float, action: str) -> None:
+        self.metrics.event(
+            "anomaly", step=step, kind=kind, value=value, action=action, rank=self.rank
+        )
+        self.log(f"anomaly: step {step} rank {self.rank} {kind} value={value} action={action}")
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        self._setup_dirs()
+        status, reason, code = "failed", "", EXIT_FAILED
+        self.step = 0
+        try:
+            code, status, reason = self._run()
+        except (TrainError, ck.CheckpointError, ConfigError) as exc:
+            reason = str(exc)
+            self.log(f"error: {reason}")
+        except KeyboardInterrupt:
+            reason = "interrupted twice"
+            self.log("error: interrupted")
+        finally:
+            self.metrics.event("end", step=self.step, status=status, reason=reason, exit_code=code)
+            self.metrics.close()
+            self.log.close()
+        return code
+
+    def _run(self) -> tuple[int, str, str]:
+        import mindspore as ms
+
+        from mindloom_train import _data
+        from mindloom_train._step import hyper_vector
+
+        cfg, t = self.cfg, self.cfg.training
+        self.config_hash = cfg.hash()
+        self._setup_context()
+        self.log(f"run: {self.run_dir} (config hash {self.config_hash})")
+        # data first: a missing corpus should fail before any model is built
+        tok = _data.prepare_tokenizer(cfg, self.log)
+        self.tok = tok
+        self.tok_path = (
+            _data.tokenizer_dir(cfg) if not cfg.tokenizer.path else Path(cfg.tokenizer.path)
+        )
+        train_prefixes = _data.prepare_dataset(
+            cfg, cfg.train_dataset, "train", self.tok_path, self.log
+        )
+        eval_prefixes = (
+            _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", self.tok_path, self.log)
+            if cfg.eval_dataset is not None
+            else None
+        )
+        self._build_model(tok.vocab_size)
+        if cfg.precision.compute_dtype != "fp32" and cfg.context.device_target == "CPU":
+            self.log(
+                f"precision: the CPU backend has no {cfg.precision.compute_dtype} MatMul; computing in fp32"
+            )
+        self._build_steps()
+        self.adam_step = 0
+        self.skipped_total = 0
+        self.loss_smoothed = None
+        dynamic = cfg.precision.loss_scale == "dynamic" or (
+            cfg.precision.loss_scale == "auto" and cfg.precision.compute_dtype == "fp16"
+        )
+        self.loss_scale = cfg.precision.initial_loss_scale if dynamic else 1.0
+        self.scale_good_steps = 0
+        self.last_lr = 0.0
+        self.last_eval = None
+        self.last_saved_step = None
+        self.resumed_from = None
+        self._resume()
+
+        gbs, total_iters = t.global_batch_size, t.train_iters
+        seq = cfg.train_dataset.seq_length
+        self.train_data = _data.build_dataset(
+            cfg, cfg.train_dataset, train_prefixes, total_iters * gbs, "train", tok
+        )
+        self.eval_data = None
+        if eval_prefixes is not None:
+            n_eval = t.eval_iters * t.micro_batch_size * self.dp_size
+            self.eval_data = _data.build_dataset(
+                cfg, cfg.eval_dataset, eval_prefixes, n_eval, "eval", tok
+            )
+        flops_tok = self.mcfg.flops_per_token(seq)
+        peak, peak_src = peak_flops(cfg.context.device_target, cfg.monitor.peak_tflops)
+        n_params = self.mcfg.num_params()
+        self.log(
+            f"model: {n_params / 1e6:.2f}M parameters, {flops_tok / 1e6:.1f} MFLOPs/token; "
+            f"peak {peak / 1e12:.3f} TFLOP/s ({peak_src}); {total_iters} steps x {gbs} samples x {seq} tokens"
+        )
+        self.metrics.event(
+            "start",
+            step=self.step,
+            run_name=self.run_dir.name,
+            total_steps=total_iters,
+            seed=cfg.seed,
+            config_hash=self.config_hash,
+            versions=versions(),
+            world_size=self.world,
+            resumed_from=self.resumed_from,
+            num_params=n_params,
+            flops_per_token=flops_tok,
+            peak_flops=peak,
+            global_batch_size=gbs,
+            seq_length=seq,
+        )
+        if self.step >= total_iters:
+            self.log(f"run: already at step {self.step} of {total_iters}; nothing to train")
+            return EXIT_OK, "completed", "already complete"
+
+        old_handlers = self._install_signals()
+        loader = self._make_loader(self.train_data, self.consumed, total_iters * gbs)
+        it = iter(loader)
+        o = cfg.optimizer
+        consecutive = 0
+        window: dict[str, float] = {"t0": time.perf_counter(), "steps": 0, "tokens": 0, "wait": 0.0,
+                                    "loss_sum": 0.0, "loss_n": 0, "step_time": 0.0}  # fmt: skip
+        wait0 = loader.wait_s
+        profiler = None
+        code, status, reason = EXIT_OK, "completed", "train_iters reached"
+        t_loop = time.perf_counter()
+        try:
+            while self.step < total_iters:
+                step = self.step + 1  # the update being computed
+                if cfg.profiler.enabled and step == cfg.profiler.start_step:
+                    profiler = self._start_profiler()
+                t_step = time.perf_counter()
+                self.fault.maybe_sigterm(step)
+                lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
+                prev_sum = 0.0
+                for _ in range(self.accum - 1):
+                    batch = next(it)
+                    hyper = hyper_vector(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
+                                         weight_decay=o.weight_decay, adam_step=self.adam_step + 1,
+                                         clip=t.grad_clip, spike=t.grad_spike_threshold,
+                                         loss_scale=self.loss_scale)  # fmt: skip
+                    prev_sum += float(self.accum_step(*self._tensors(batch), hyper).asnumpy())
+                batch = next(it)
+                hyper = hyper_vector(
+                    lr=lr,
+                    beta1=o.beta1,
+                    beta2=o.beta2,
+                    eps=o.eps,
+                    weight_decay=o.weight_decay,
+                    adam_step=self.adam_step + 1,
+                    clip=t.grad_clip,
+                    spike=t.grad_spike_threshold,
+                    loss_scale=self.loss_scale,
+                    nan_loss=self.fault.step_fault("nan_loss", step),
+                    inf_grad=self.fault.step_fault("inf_grad", step),
+                    grad_mult=1e6 if self.fault.step_fault("grad_spike", step) else 1.0,
+                    prev_loss_sum=prev_sum,
+                    n_micro=self.accum,
+                )
+                loss_t, gnorm_t, ok_t = self.train_step(*self._tensors(batch), hyper)
+                loss, gnorm, ok = (
+                    float(loss_t.asnumpy()),
+                    float(gnorm_t.asnumpy()),
+                    bool(ok_t.asnumpy()),
+                )
+                dt = time.perf_counter() - t_step
+                self.step = step
+                self.consumed += gbs
+                self.last_lr = lr
+                if ok:
+                    self.adam_step += 1
+                    consecutive = 0
+                    if dynamic:
+                        self.scale_good_steps += 1
+                        if self.scale_good_steps >= cfg.precision.loss_scale_window:
+                            self.loss_scale *= 2.0
+                            self.scale_good_steps = 0
+                    if (
+                        t.loss_spike_factor is not None
+                        and self.loss_smoothed is not None
+                        and step > 10
+                        and loss > t.loss_spike_factor * self.loss_smoothed
+                    ):
+                        self._anomaly(step, "loss_spike", loss, "reported")
+                    a = t.loss_smoothing
+                    self.loss_smoothed = (
+                        loss
+                        if self.loss_smoothed is None
+                        else a * self.loss_smoothed + (1 - a) * loss
+                    )
+                    window["loss_sum"] += loss
+                    window["loss_n"] += 1
+                else:
+                    self.skipped_total += 1
+                    overflow = not math.isfinite(gnorm)
+                    if dynamic and overflow and self.loss_scale > cfg.precision.min_loss_scale:
+                        # fp16 overflow: expected now and then; halve the scale, not an anomaly streak
+                        self.loss_scale = max(self.loss_scale / 2, cfg.precision.min_loss_scale)
+                        self.scale_good_steps = 0
+                        self._anomaly(step, "nonfinite_grad", gnorm, "skipped")
+                    else:
+                        consecutive += 1
+                        if not math.isfinite(loss):
+                            kind, value = "nonfinite_loss", loss
+                        elif overflow:
+                            kind, value = "nonfinite_grad", gnorm
+                        else:
+                            kind, value = "grad_spike", gnorm
+                        stop = consecutive >= t.max_consecutive_skips
+                        self._anomaly(step, kind, value, "stopped" if stop else "skipped")
+                        if stop:
+                            reason = (
+                                f"step {step} rank {self.rank}: {consecutive} consecutive skipped "
+                                f"updates (last: {kind} = {value}); weights are those of the last good step"
+                            )
+                            self.log(f"error: {reason}")
+                            code, status = EXIT_ANOMALY, "stopped"
+                            self._safe_save(step, "anomaly stop")
+                            break
+                window["steps"] += 1
+                window["tokens"] += gbs * seq
+                window["step_time"] += dt
+                last = self.step == total_iters
+                if step % cfg.monitor.log_interval == 0 or last or self._stop_signal:
+                    self._log_metrics(
+                        step, total_iters, loss, lr, gnorm, window, loader, wait0, flops_tok, peak
+                    )
+                    wait0 = loader.wait_s
+                    window = {"t0": time.perf_counter(), "steps": 0, "tokens": 0, "wait": 0.0,
+                              "loss_sum": 0.0, "loss_n": 0, "step_time": 0.0}  # fmt: skip
+                if profiler is not None and step == cfg.profiler.end_step:
+                    self._stop_profiler(profiler)
+                    profiler = None
+                t_pause = time.perf_counter()
+                if t.eval_interval and step % t.eval_interval == 0 and not last:
+                    self.evaluate(step)
+                if self._stop_signal:
+                    reason = f"{self._stop_signal} received"
+                    self.log(f"run: {reason}; saving step {step} and exiting")
+                    self._safe_save(step, self._stop_signal)
+                    return EXIT_OK, "stopped", reason
+                if (
+                    cfg.checkpoint.save_interval
+                    and step % cfg.checkpoint.save_interval == 0
+                    and not last
+                ):
+                    self._safe_save(step, "interval")
+                if (
+                    t.time_limit_s is not None
+                    and time.perf_counter() - t_loop > t.time_limit_s
+                    and not last
+                ):
+                    reason = f"time limit {t.time_limit_s:g}s reached at step {step}"
+                    self.log(f"run: {reason}")
+                    break
+                # eval and save time is not training time (tokens/s, MFU)
+                window["t0"] += time.perf_counter() - t_pause
+            if code == EXIT_OK:
+                self.evaluate(self.step)
+                if cfg.checkpoint.save_at_end and self.last_saved_step != self.step:
+                    self._safe_save(self.step, "end")
+        finally:
+            loader.close()
+            if profiler is not None:
+                self._stop_profiler(profiler)
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+        del ms
+        return code, status, reason
+
+    def _safe_save(self, step: int, reason: str) -> None:
+        try:
+            self.save(step, reason)
+        except ck.CheckpointError:
+            raise
+        except OSError as exc:
+            self.metrics.event("checkpoint", step=step, path=None, status="failed", reason=str(exc))
+            prev = ck.read_tracker(self.save_path) if self.save_path.exists() else None
+            raise TrainError(
+                f"checkpoint save at step {step} failed ({exc}); nothing was left at a final "
+                f"path; the latest complete checkpoint is step {prev}"
+            ) from None
+
+    def _log_metrics(
+        self, step, total, loss, lr, gnorm, window, loader, wait0, flops_tok, peak
+    ) -> None:
+        wall = max(time.perf_counter() - window["t0"], 1e-9)
+        tps = window["tokens"] / wall
+        rec = {
+            "step": step,
+            "loss": window["loss_sum"] / window["loss_n"] if window["loss_n"] else loss,
+            "loss_smoothed": self.loss_smoothed,
+            "lr": lr,
+            "grad_norm": gnorm,
+            "tokens_per_s": tps,
+            "mfu": tps * flops_tok / peak if peak else None,
+            "step_time_s": window["step_time"] / max(window["steps"], 1),
+            "tokens": self.consumed * self.cfg.train_dataset.seq_length,
+            "consumed_samples": self.consumed,
+            "data_wait_frac": min(1.0, (loader.wait_s - wait0) / wall),
+            "mem_rss_mb": mem_rss_mb(),
+            "skipped_steps": self.skipped_total,
+            "step_loss": loss,
+        }
+        if self.loss_scale != 1.0:
+            rec["loss_scale"] = self.loss_scale
+        self.metrics.write(rec)
+        self.log.progress(progress_text(rec, total))
+
+    def _start_profiler(self):
+        try:
+            import mindspore as ms
+
+            out = self.cfg.profiler.output_dir or str(self.run_dir / "profile")
+            return ms.Profiler(output_path=out)
+        except Exception as exc:  # the profiler is optional; never fail a run for it
+            self.log(f"profiler: not started ({exc})")
+            return None
+
+    def _stop_profiler(self, prof) -> None:
+        try:
+            prof.stop()
+            prof.analyse()
+            self.log("profiler: trace written")
+        except Exception as exc:
+            self.log(f"profiler: failed to write the trace ({exc})")
+
+
+def train(cfg: Config, *, console=None, fault_spec: str | None = None) -> int:
+    return Trainer(cfg, console=console, fault_spec=fault_spec).run()

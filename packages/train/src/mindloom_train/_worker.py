@@ -1,0 +1,15 @@
+"""One msrun worker of `mindloom launch`: the same run as `mindloom train`, one rank of it."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mindloom_train._cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
