@@ -197,9 +197,12 @@ def train_tokenizer(
         write_bytes_atomic(os.path.join(out_dir, MODEL_FILE), payload)
         digest = hashlib.sha256(payload).hexdigest()
     else:
-        vocab_json = backend.to_json()
-        write_json_atomic(os.path.join(out_dir, CHAR_VOCAB_FILE), vocab_json)
-        digest = None
+        vocab_path = os.path.join(out_dir, CHAR_VOCAB_FILE)
+        write_json_atomic(vocab_path, backend.to_json())
+        # Hashing the vocabulary into the metadata lets tools that fingerprint only
+        # mindloom_tokenizer.json notice a changed char vocabulary.
+        with open(vocab_path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
     ids = specials["ids"]
     if model_type == "char":
         vocab_final = len(backend)
