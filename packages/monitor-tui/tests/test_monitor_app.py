@@ -9,6 +9,7 @@ import pytest
 from mindloom_monitor._app import ConfigScreen, MonitorApp
 from monitor_helpers import T0, append, fixed_clock, metric, screen_text, wait_for, write_run
 from textual.widgets import Log, RichLog
+from textual.widgets._footer import FooterKey
 
 pytestmark = pytest.mark.asyncio
 
@@ -83,6 +84,10 @@ async def test_mouse_clicks_switch_panes(run_dir):
         assert app.pane == "events"
         await pilot.click("#tabs", offset=(22, 0))
         assert app.pane == "log"
+        # the footer's bindings are clickable too
+        range_key = next(k for k in app.query(FooterKey) if k.key == "r")
+        await pilot.click(range_key)
+        assert app.last_n == 1000
 
 
 async def test_pause_freezes_the_views_and_resume_catches_up(run_dir):
@@ -124,10 +129,11 @@ async def test_config_screen_opens_and_closes(run_dir, tmp_path):
 async def test_two_runs_next_run_and_overlay(tmp_path):
     a = write_run(tmp_path / "a", 300, name="alpha")
     b = write_run(tmp_path / "b", 120, name="beta")
-    app = make_app(a, b)
+    app = make_app(a, b, last_n=500)  # --last 500
     async with app.run_test(size=(160, 48)) as pilot:
         await loaded(pilot, app)
         assert "alpha running" in screen_text(app) and "run 1/2" in screen_text(app)
+        assert "range last 500" in screen_text(app)
         await pilot.press("n")
         assert await wait_for(pilot, lambda: "beta running  step 120/1,000" in screen_text(app))
         assert app.selected == 1

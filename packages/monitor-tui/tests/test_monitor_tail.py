@@ -117,3 +117,16 @@ def test_read_last_lines(tmp_path):
     path.write_text("".join(f"l{i}\n" for i in range(100_000)))
     init = read_last_lines(path, 10, max_bytes=4096)
     assert init.tail == [f"l{i}".encode() for i in range(99_990, 100_000)]
+
+
+def test_attach_rereads_a_file_replaced_after_the_initial_read(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b"old1\nold2\n")
+    init = read_initial(path)
+    tmp = tmp_path / "new"
+    tmp.write_bytes(b"new1\nnew2\nnew3\n")
+    os.rename(tmp, path)  # replaced between the read and following
+    f = Follower(path)
+    assert f.attach(init.end_pos, ident=init.ident)
+    assert f.poll().lines == [b"new1", b"new2", b"new3"]
+    f.close()

@@ -64,7 +64,7 @@ class RunSource:
         if init.exists:
             self.metrics_exists = True
             # Continue at the start of an incomplete last line: it is re-read when complete.
-            self._metrics.attach(init.end_pos)
+            self._metrics.attach(init.end_pos, ident=init.ident)
             self.pending = init.partial
             head = parse_lines(init.head)
             sampled = parse_lines(init.sampled)
@@ -76,7 +76,7 @@ class RunSource:
             batch.parsed = head.parsed + sampled.parsed + tail.parsed
         log = read_last_lines(self.log_path, LOG_LINES)
         if log.exists:
-            self._log.attach(log.end_pos)
+            self._log.attach(log.end_pos, ident=log.ident)
             batch.log_lines = _text(log.tail)
         return batch
 

@@ -432,7 +432,7 @@ class RunData:
         return self._tokens
 
     def status(self) -> str:
-        if not self.metrics_exists and self.last is None:
+        if self.last is None and self.end is None:
             return "waiting"
         if self.end is not None:
             s = self.end.data.get("status")

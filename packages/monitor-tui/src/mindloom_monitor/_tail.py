@@ -47,13 +47,18 @@ class Follower:
             self._fh.close()
         self._fh = None
 
-    def attach(self, pos: int, partial: bytes = b"") -> bool:
-        """Open the file and continue from `pos` (after `read_initial`). False if absent."""
+    def attach(self, pos: int, partial: bytes = b"", ident: tuple[int, int] | None = None) -> bool:
+        """Open the file and continue from `pos` (after `read_initial`). False if absent.
+
+        `ident` is the (device, inode) that `pos` belongs to: if the file was replaced in
+        between, the new one is read from the start instead."""
         try:
             fh = open(self.path, "rb")  # noqa: SIM115 - kept open while following
         except OSError:
             return False
         st = os.fstat(fh.fileno())
+        if ident is not None and ident != (st.st_dev, st.st_ino):
+            pos, partial = 0, b""
         self.close()
         self._fh, self._ident = fh, (st.st_dev, st.st_ino)
         self.pos, self.partial = pos, partial
@@ -118,6 +123,7 @@ class Initial:
     partial: bytes  # an incomplete last line
     size: int
     exists: bool
+    ident: tuple[int, int] | None = None  # (device, inode) of what was read
 
 
 def read_initial(
@@ -137,12 +143,13 @@ def read_initial(
     except FileNotFoundError:
         return Initial([], [], [], 0, b"", 0, False)
     with fh:
-        size = os.fstat(fh.fileno()).st_size
+        st = os.fstat(fh.fileno())
+        size, ident = st.st_size, (st.st_dev, st.st_ino)
         if size <= tail_bytes + head_bytes:
             data = fh.read(size)
             lines = data.split(b"\n")
             partial = lines.pop()
-            return Initial([], [], lines, size - len(partial), partial, size, True)
+            return Initial([], [], lines, size - len(partial), partial, size, True, ident)
 
         head_data = fh.read(head_bytes)
         head = head_data.split(b"\n")
@@ -182,7 +189,7 @@ def read_initial(
                         continue
                 sampled.append(rest[:end])
                 last_off = start
-        return Initial(head, sampled, tail, size - len(partial), partial, size, True)
+        return Initial(head, sampled, tail, size - len(partial), partial, size, True, ident)
 
 
 def read_last_lines(path: str | os.PathLike, n: int, max_bytes: int = 256 << 10) -> Initial:
@@ -192,7 +199,8 @@ def read_last_lines(path: str | os.PathLike, n: int, max_bytes: int = 256 << 10)
     except FileNotFoundError:
         return Initial([], [], [], 0, b"", 0, False)
     with fh:
-        size = os.fstat(fh.fileno()).st_size
+        st = os.fstat(fh.fileno())
+        size, ident = st.st_size, (st.st_dev, st.st_ino)
         start = max(0, size - max_bytes)
         fh.seek(start)
         data = fh.read(size - start)
@@ -200,4 +208,4 @@ def read_last_lines(path: str | os.PathLike, n: int, max_bytes: int = 256 << 10)
     partial = lines.pop()
     if start > 0 and lines:
         lines = lines[1:]  # the first one is cut
-    return Initial([], [], lines[-n:], size - len(partial), partial, size, True)
+    return Initial([], [], lines[-n:], size - len(partial), partial, size, True, ident)
