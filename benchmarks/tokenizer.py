@@ -200,9 +200,7 @@ def child_encode(args, workdir: Path) -> dict:
     runs = {
         "mindloom": lambda d: ml.encode_batch(d, num_threads=threads),
         "hf_bpe": lambda d: [e.ids for e in hf.encode_batch(d, add_special_tokens=False)],
-        "hf_export": lambda d: [
-            e.ids for e in hf_export.encode_batch(d, add_special_tokens=False)
-        ],
+        "hf_export": lambda d: [e.ids for e in hf_export.encode_batch(d, add_special_tokens=False)],
     }
     for fn in runs.values():
         fn(docs[:50])
