@@ -199,3 +199,26 @@ def test_retraining_replaces_a_stale_export(corpus_dir, tmp_path):
 def test_vocab_size_too_small_is_a_clear_error(corpus_dir, tmp_path):
     with pytest.raises(TokenizerError, match="vocab size 300 is too small"):
         train_tokenizer(corpus_dir, tmp_path / "t", 300)
+
+
+def test_lone_surrogates_do_not_crash(bpe_dir, tmp_path):
+    tok = Tokenizer.load(bpe_dir)
+    bad = "left\ud800right"  # JSON may carry this as "\ud800"
+    ids = tok.encode(bad)
+    assert tok.decode(ids) == "left\ufffdright"
+    assert tok.encode_batch([bad, "ok"]) == [ids, tok.encode("ok")]
+    with pytest.raises(TypeError, match="item 1 is int"):
+        tok.encode_batch(["a", 3])
+    # In training input it is replaced and counted, not fatal.
+    lines = [f'{{"text": "sentence {i} with \\ud800 inside"}}' for i in range(200)]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    t = train_tokenizer(tmp_path / "s.jsonl", tmp_path / "t", 300)
+    assert t.metadata["stats"]["read"]["bad"] == {"lone_surrogate": 200}
+
+
+def test_metadata_hashes_the_model(bpe_dir):
+    import hashlib
+
+    meta = json.loads((bpe_dir / "mindloom_tokenizer.json").read_text())
+    model = (bpe_dir / "tokenizer.model").read_bytes()
+    assert meta["model_sha256"] == hashlib.sha256(model).hexdigest()

@@ -82,3 +82,21 @@ def test_corrupt_char_vocab_is_refused(tmp_path):
     (tmp_path / "t" / "char_vocab.json").write_text("[1, 2")
     with pytest.raises(TokenizerError, match="char_vocab.json: not valid JSON"):
         Tokenizer.load(tmp_path / "t")
+
+
+def test_metadata_hashes_the_char_vocabulary(tmp_path):
+    import hashlib
+
+    (tmp_path / "a.txt").write_text("abc", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("abd", encoding="utf-8")
+    metas = []
+    for name in ("a", "b"):
+        out = tmp_path / f"t{name}"
+        train_tokenizer(tmp_path / f"{name}.txt", out, model_type="char")
+        meta = json.loads((out / "mindloom_tokenizer.json").read_text())
+        assert (
+            meta["model_sha256"]
+            == hashlib.sha256((out / "char_vocab.json").read_bytes()).hexdigest()
+        )
+        metas.append(meta["model_sha256"])
+    assert metas[0] != metas[1]

@@ -17,6 +17,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
 TXT_CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 5
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class NoInputError(ValueError):
@@ -165,6 +167,11 @@ def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[str]:
                 if not text:
                     stats.count_bad("empty_text", where)
                     continue
+                if _SURROGATE.search(text):
+                    # JSON can escape a lone UTF-16 surrogate; it is not text, and
+                    # SentencePiece cannot take it. Replaced, and counted.
+                    stats.count_bad("lone_surrogate", where)
+                    text = _SURROGATE.sub("\ufffd", text)
                 stats.documents += 1
                 yield text
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ META_FILE = "mindloom_tokenizer.json"
 HF_FILE = "tokenizer.json"
 FORMAT_VERSION = 1
 UNK_SURFACE = " \u2047 "  # what SentencePiece prints for an unknown piece
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TokenizerError(ValueError):
@@ -196,7 +198,12 @@ class Tokenizer:
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         if self.model_type == "char":
             return self._backend.encode(text)
-        return self._backend.encode(text, out_type=int)
+        try:
+            return self._backend.encode(text, out_type=int)
+        except (RuntimeError, TypeError):
+            if not _SURROGATE.search(text):
+                raise
+            return self._backend.encode(_SURROGATE.sub("\ufffd", text), out_type=int)
 
     def encode_batch(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
         """Encode many texts; SentencePiece spreads them over `num_threads` (default: all CPUs)."""
@@ -210,7 +217,17 @@ class Tokenizer:
         n = default_num_threads() if num_threads is None else int(num_threads)
         if n < 1:
             raise ValueError(f"num_threads must be >= 1, got {n}")
-        return self._backend.encode(texts, out_type=int, num_threads=n)
+        try:
+            return self._backend.encode(texts, out_type=int, num_threads=n)
+        except (RuntimeError, TypeError):
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise TypeError(
+                        f"encode_batch expects str items, item {i} is {type(t).__name__}"
+                    ) from None
+            # SentencePiece cannot take a lone surrogate (invalid UTF-16 that JSON allows).
+            texts = [_SURROGATE.sub("\ufffd", t) for t in texts]
+            return self._backend.encode(texts, out_type=int, num_threads=n)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of a sequence of ids (special tokens decode to nothing)."""
