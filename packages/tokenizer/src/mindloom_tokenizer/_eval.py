@@ -123,6 +123,7 @@ def evaluate(
         "seed": seed,
         "sentences_seen": sstats["sentences_seen"],
         "sentences": len(sample),
+        "skipped_too_long": sstats["skipped_too_long"],
         "characters": n_chars,
         "bytes": n_bytes,
         "tokens": n_tokens,
@@ -200,6 +201,8 @@ def format_report(r: dict) -> str:
         + ", cjk "
         + (f"{cjk:.3f} tokens/char ({fert['cjk']['characters']:,} chars)" if cjk else "n/a"),
     ]
+    if r.get("skipped_too_long"):
+        lines.append(f"skipped        {r['skipped_too_long']:,} lines over 1 MB (not sampled)")
     unk = r["unknown_characters"]
     if unk:
         shown = " ".join(f"{u['char']!r}({u['codepoint']})x{u['count']}" for u in unk[:15])
