@@ -222,3 +222,14 @@ def test_metadata_hashes_the_model(bpe_dir):
     meta = json.loads((bpe_dir / "mindloom_tokenizer.json").read_text())
     model = (bpe_dir / "tokenizer.model").read_bytes()
     assert meta["model_sha256"] == hashlib.sha256(model).hexdigest()
+
+
+def test_bare_model_file_reports_its_type(unigram_dir, tmp_path):
+    (tmp_path / "m.model").write_bytes((unigram_dir / "tokenizer.model").read_bytes())
+    tok = Tokenizer.load(tmp_path / "m.model")  # no metadata next to it
+    assert tok.model_type == "unigram" and tok.metadata == {}
+
+
+def test_sentencepiece_needs_an_unknown_id(corpus_dir, tmp_path):
+    with pytest.raises(TokenizerError, match="needs an unknown id"):
+        train_tokenizer(corpus_dir, tmp_path / "t", 600, unk_id=-1, bos_id=-1, eos_id=-1)

@@ -145,7 +145,7 @@ class Tokenizer:
                 if i >= 0 and kinds[i] != "control":
                     raise TokenizerError(f"{META_FILE}: {k}={i} is not a special token")
         else:
-            self.model_type = str(self.metadata.get("model_type", "sentencepiece"))
+            self.model_type = str(self.metadata.get("model_type") or _spm_model_type(backend))
             self.vocab_size = int(backend.get_piece_size())
             ids = {
                 "bos_id": backend.bos_id(),
@@ -307,6 +307,18 @@ def _read_metadata(path: str) -> dict:
     if not isinstance(meta, dict):
         raise TokenizerError(f"{path}: expected a JSON object")
     return meta
+
+
+def _spm_model_type(sp) -> str:
+    """bpe / unigram / word / char from the model itself (a model trained elsewhere)."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        m = pb.ModelProto()
+        m.ParseFromString(sp.serialized_model_proto())
+        return pb.TrainerSpec.ModelType.Name(m.trainer_spec.model_type).lower()
+    except Exception:  # protobuf missing or an unusual model: the type is informational
+        return "sentencepiece"
 
 
 def _load_sentencepiece(path: str):

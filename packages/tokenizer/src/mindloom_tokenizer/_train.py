@@ -104,6 +104,11 @@ def train_tokenizer(
         {"unk_id": unk_id, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id},
     )
     _check_symbols(control_symbols, user_defined_symbols, specials)
+    if model_type != "char" and unk_id < 0:
+        raise TokenizerError(
+            f"model_type {model_type!r} needs an unknown id (unk_id >= 0); only 'char' can "
+            "have none"
+        )
 
     try:
         files = resolve_inputs(inputs)
@@ -435,8 +440,6 @@ def _train_sentencepiece(
         pad_piece=names.get(ids["pad_id"], "<pad>"),
         minloglevel=0 if verbose else 2,
     )
-    if ids["unk_id"] < 0:
-        raise TokenizerError("SentencePiece models need an unknown id (unk_id >= 0)")
     if control_symbols:
         kwargs["control_symbols"] = control_symbols
     if user_defined_symbols:
