@@ -233,3 +233,26 @@ def test_bare_model_file_reports_its_type(unigram_dir, tmp_path):
 def test_sentencepiece_needs_an_unknown_id(corpus_dir, tmp_path):
     with pytest.raises(TokenizerError, match="needs an unknown id"):
         train_tokenizer(corpus_dir, tmp_path / "t", 600, unk_id=-1, bos_id=-1, eos_id=-1)
+
+
+def test_identical_model_across_processes_and_hash_seeds(corpus_dir, tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from mindloom_tokenizer import train_tokenizer; "
+        "train_tokenizer(sys.argv[1], sys.argv[2], 500, model_type='unigram', num_threads=2)"
+    )
+    outs = []
+    for hash_seed in ("1", "2"):
+        out = tmp_path / f"p{hash_seed}"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run(
+            [sys.executable, "-c", code, str(corpus_dir), str(out)],
+            env=env,
+            check=True,
+            timeout=120,
+        )
+        outs.append(out)
+    for name in ("tokenizer.model", "mindloom_tokenizer.json"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
