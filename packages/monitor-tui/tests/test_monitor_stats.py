@@ -142,3 +142,51 @@ def test_formatting_helpers():
     assert fmt_duration(3725) == "1:02:05" and fmt_duration(None) == "-"
     assert fmt_duration(2 * 86400 + 3600) == "2d01h00m"
     assert fmt_count(4_920_000) == "4.92M" and fmt_count(math.nan) == "-"
+
+
+def test_trainer_event_shapes_failed_checkpoint_and_resume():
+    data = RunData("r")
+    feed(
+        data,
+        [
+            {
+                "event": "start",
+                "time": T0,
+                "step": 100,
+                "run_name": "x",
+                "total_steps": 500,
+                "resumed_from": 100,
+            }
+        ],
+    )
+    feed(
+        data,
+        [
+            {
+                "event": "checkpoint",
+                "time": T0,
+                "step": 200,
+                "path": "ck/200",
+                "reason": "interval",
+                "seconds": 0.4,
+            }
+        ],
+    )
+    feed(
+        data,
+        [
+            {
+                "event": "checkpoint",
+                "time": T0,
+                "step": 300,
+                "path": None,
+                "status": "failed",
+                "reason": "disk full",
+            }
+        ],
+    )
+    feed(data, [{"event": "eval", "time": T0, "step": 300, "loss": 800.0, "ppl": None}])
+    assert "resumed from 100" in data.events[0].text
+    assert data.last_checkpoint == (200, "ck/200")  # a failed save is not the last checkpoint
+    assert data.events[2].level == "error" and "FAILED disk full" in data.events[2].text
+    assert data.evals[0][:2] == (300, 800.0) and math.isnan(data.evals[0][2])

@@ -1,4 +1,3 @@
-import json
 import os
 
 from mindloom_monitor._records import parse_lines
@@ -69,17 +68,8 @@ def test_read_initial_small_file_reads_everything(tmp_path):
     assert init.end_pos == len(b"1\n2\n3\n")
 
 
-def _write_million(path, n=1_000_000):
-    head = json.dumps({"event": "start", "run_name": "big", "total_steps": n}) + "\n"
-    body = "".join(
-        f'{{"step": {i}, "time": {i}.0, "loss": {2 + 1 / i:.5f}}}\n' for i in range(1, n + 1)
-    )
-    path.write_text(head + body)
-
-
-def test_million_line_file_is_opened_from_the_tail_and_sampled(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    _write_million(path)
+def test_million_line_file_is_opened_from_the_tail_and_sampled(million_run):
+    path = million_run / "metrics.jsonl"
     init = read_initial(path, tail_bytes=1 << 20, samples=500)
     n_lines = len(init.head) + len(init.sampled) + len(init.tail)
     # bounded by the budgets, not by the file: 64 KiB head + 500 samples + 1 MiB tail

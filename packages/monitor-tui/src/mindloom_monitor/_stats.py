@@ -191,13 +191,11 @@ class RunData:
             if ev.time is not None and (self.start_time is None or self.end is not None):
                 self.start_time = ev.time
             self.end = None
-            self._event(
-                "start",
-                ev.step,
-                ev.time,
-                f"start {self.name}" + (f" ({self.total_steps} steps)" if self.total_steps else ""),
-                dedupe=False,
-            )
+            text = self.name + (f" ({self.total_steps} steps)" if self.total_steps else "")
+            resumed = d.get("resumed_from")
+            if resumed is not None and not isinstance(resumed, dict | list):
+                text += f", resumed from {resumed}"
+            self._event("start", ev.step, ev.time, text, dedupe=False)
         elif ev.kind == "eval":
             loss = d.get("loss")
             ppl = d.get("ppl")
@@ -212,12 +210,16 @@ class RunData:
                 ppl = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.nan
             if ev.step is not None:
                 self.evals.append((ev.step, loss, ppl))
-            self._event("eval", ev.step, ev.time, f"eval loss {fmt_num(loss)} ppl {fmt_num(ppl)}")
+            self._event("eval", ev.step, ev.time, f"loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")
         elif ev.kind == "checkpoint":
             path = d.get("path")
             path = path if isinstance(path, str) else ""
-            self.last_checkpoint = (ev.step, path)
-            self._event("checkpoint", ev.step, ev.time, f"checkpoint {path}".rstrip())
+            if d.get("status") == "failed":
+                reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+                self._event("checkpoint", ev.step, ev.time, f"FAILED {reason}".rstrip(), "error")
+            else:
+                self.last_checkpoint = (ev.step, path)
+                self._event("checkpoint", ev.step, ev.time, f"saved {path}".rstrip())
         elif ev.kind == "anomaly":
             kind = d.get("kind") if isinstance(d.get("kind"), str) else "anomaly"
             action = d.get("action") if isinstance(d.get("action"), str) else "reported"
@@ -244,12 +246,12 @@ class RunData:
                 "end",
                 ev.step,
                 ev.time,
-                f"end: {status}" + (f" ({reason})" if reason else ""),
+                status + (f" ({reason})" if reason else ""),
                 level,
                 dedupe=False,
             )
         else:
-            self._event(ev.kind, ev.step, ev.time, f"event {ev.kind}")
+            self._event(ev.kind, ev.step, ev.time, "(an event this monitor does not know)")
 
     def _add_metric(self, m: Metric, detect: bool) -> None:
         if self.steps and m.step <= self.steps[-1]:
