@@ -191,6 +191,7 @@ def test_retraining_replaces_a_stale_export(corpus_dir, tmp_path):
     out = tmp_path / "t"
     out.mkdir()
     (out / "tokenizer.json").write_text("{}")
+    (out / "tokenizer_config.json").write_text("{}")
     train_tokenizer(corpus_dir, out, 600)
     assert not (out / "tokenizer.json").exists()
     assert sorted(os.listdir(out)) == ["mindloom_tokenizer.json", "tokenizer.model"]

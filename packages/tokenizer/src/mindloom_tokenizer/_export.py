@@ -22,9 +22,8 @@ from __future__ import annotations
 import os
 
 from mindloom_tokenizer._io import write_bytes_atomic, write_json_atomic
-from mindloom_tokenizer._tokenizer import HF_FILE, Tokenizer, TokenizerError
+from mindloom_tokenizer._tokenizer import HF_CONFIG_FILE, HF_FILE, Tokenizer, TokenizerError
 
-HF_CONFIG_FILE = "tokenizer_config.json"
 SPIECE_UNDERLINE = "\u2581"
 
 

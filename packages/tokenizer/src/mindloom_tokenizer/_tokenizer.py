@@ -24,6 +24,7 @@ MODEL_FILE = "tokenizer.model"
 CHAR_VOCAB_FILE = "char_vocab.json"
 META_FILE = "mindloom_tokenizer.json"
 HF_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"
 FORMAT_VERSION = 1
 UNK_SURFACE = " \u2047 "  # what SentencePiece prints for an unknown piece
 _SURROGATE = re.compile("[\ud800-\udfff]")

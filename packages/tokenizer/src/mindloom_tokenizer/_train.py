@@ -27,6 +27,7 @@ from mindloom_tokenizer._readers import NoInputError, ReadStats, iter_texts, res
 from mindloom_tokenizer._tokenizer import (
     CHAR_VOCAB_FILE,
     FORMAT_VERSION,
+    HF_CONFIG_FILE,
     HF_FILE,
     META_FILE,
     MODEL_FILE,
@@ -193,7 +194,7 @@ def train_tokenizer(
     os.makedirs(out_dir, exist_ok=True)
     # A model of another type, or an export of an earlier model, must not survive next to
     # the new one; the metadata is written last and marks the directory complete.
-    for stale in (META_FILE, HF_FILE, MODEL_FILE, CHAR_VOCAB_FILE):
+    for stale in (META_FILE, HF_FILE, HF_CONFIG_FILE, MODEL_FILE, CHAR_VOCAB_FILE):
         try:
             os.unlink(os.path.join(out_dir, stale))
         except FileNotFoundError:
