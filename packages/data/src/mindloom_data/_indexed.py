@@ -284,6 +284,15 @@ class IndexedDatasetBuilder:
         """Append tokens to the last sequence (for documents tokenized in chunks)."""
         self.sequence_lengths[-1] += self._write(tokens)
 
+    def write_raw(self, data: bytes) -> None:
+        """Append tokens already in this builder's dtype; pair with `add_document_length`."""
+        self._bin.write(data)
+
+    def add_document_length(self, n: int) -> None:
+        """Record one single-sequence document of `n` tokens written with `write_raw`."""
+        self.sequence_lengths.append(n)
+        self.document_indices.append(len(self.sequence_lengths))
+
     def end_document(self) -> None:
         self.document_indices.append(len(self.sequence_lengths))
 

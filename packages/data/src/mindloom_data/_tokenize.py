@@ -103,19 +103,26 @@ def chunking_mode(tok) -> bool | None:
 
 _TOK = None
 _DTYPE = None
+_EOS: list[int] = []
 
 
-def _init_worker(tokenizer_path: str, dtype: str) -> None:
-    global _TOK, _DTYPE
+def _init_worker(tokenizer_path: str, dtype: str, eos_id: int | None) -> None:
+    global _TOK, _DTYPE, _EOS
     from mindloom_tokenizer import Tokenizer
 
     _TOK = Tokenizer.load(tokenizer_path)
     _DTYPE = np.dtype(dtype)
+    _EOS = [] if eos_id is None else [eos_id]
 
 
-def _encode_task(texts: list[str]) -> tuple[bytes, np.ndarray]:
-    """Encode a task; returns the concatenated tokens (as bytes) and each text's length."""
+def _encode_task(texts: list[str], last: list[bool]) -> tuple[bytes, np.ndarray]:
+    """Encode a task into its final bytes (EOS after each document's last chunk) and
+    the number of tokens each text contributes."""
     ids = _TOK.encode_batch(texts, num_threads=1) if len(texts) > 1 else [_TOK.encode(texts[0])]
+    if _EOS:
+        for x, is_last in zip(ids, last):
+            if is_last:
+                x.extend(_EOS)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     total = int(lengths.sum())
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=total)
@@ -216,7 +223,7 @@ def tokenize(
 
     stats = TokenizeStats(dtype=str(dtype))
     drop_space = chunking_mode(tok)
-    eos = np.asarray([tok.eos_id], dtype=dtype)
+    eos_id = tok.eos_id if append_eos else None
     t0 = time.perf_counter()
     docs = iter_documents(inputs, text_key=text_key, stats=stats.read, txt_mode=txt_mode)
     tasks = _tasks(docs, stats, chunk_chars, drop_space, task_bytes)
@@ -226,40 +233,31 @@ def tokenize(
     def write(result, flags) -> None:
         nonlocal pending
         data, lengths = result
-        arr = np.frombuffer(data, dtype=dtype)
-        pos = 0
+        builder.write_raw(data)
         for n, (first, last) in zip(lengths.tolist(), flags):
-            part = arr[pos : pos + n]
-            pos += n
-            if first:
-                pending = 0
-                builder.add_item(part)
-            else:
-                builder.extend_item(part)
-            pending += n
+            pending = n if first else pending + n
             if last:
-                if append_eos:
-                    builder.extend_item(eos)
-                    pending += 1
-                if pending == 0:  # nothing to train on: drop it, but count it
-                    builder.sequence_lengths.pop()
+                if pending == 0:  # nothing to train on: dropped, but counted
                     stats.empty_documents += 1
                     continue
-                builder.end_document()
+                builder.add_document_length(pending)
                 stats.documents += 1
                 stats.tokens += pending
 
+    def submit(texts, flags):
+        return texts, [last for _, last in flags]
+
     try:
         if workers <= 1:
-            _init_worker(tokenizer_path, dtype.str)
+            _init_worker(tokenizer_path, dtype.str, eos_id)
             for texts, flags in tasks:
-                write(_encode_task(texts), flags)
+                write(_encode_task(*submit(texts, flags)), flags)
         else:
             ctx = mp.get_context("fork")
-            with ctx.Pool(workers, _init_worker, (tokenizer_path, dtype.str)) as pool:
+            with ctx.Pool(workers, _init_worker, (tokenizer_path, dtype.str, eos_id)) as pool:
                 window: deque = deque()
                 for texts, flags in tasks:
-                    window.append((pool.apply_async(_encode_task, (texts,)), flags))
+                    window.append((pool.apply_async(_encode_task, submit(texts, flags)), flags))
                     if len(window) >= 2 * workers:
                         res, fl = window.popleft()
                         write(res.get(), fl)
