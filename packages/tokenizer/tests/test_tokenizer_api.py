@@ -182,6 +182,10 @@ def test_load_errors_are_one_line(bpe_dir, tmp_path):
     (other / "mindloom_tokenizer.json").write_text('{"vocab_size": 32000}')
     with pytest.raises(TokenizerError, match="different runs"):
         Tokenizer.load(other)
+    meta = json.loads((bpe_dir / "mindloom_tokenizer.json").read_text())
+    (other / "mindloom_tokenizer.json").write_text(json.dumps({**meta, "model_sha256": "0" * 64}))
+    with pytest.raises(TokenizerError, match="does not match model_sha256"):
+        Tokenizer.load(other)
     (other / "mindloom_tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="not valid JSON"):
         Tokenizer.load(other)

@@ -77,10 +77,19 @@ def test_corrupt_char_vocab_is_refused(tmp_path):
     (tmp_path / "c.txt").write_text("abc", encoding="utf-8")
     train_tokenizer(tmp_path / "c.txt", tmp_path / "t", model_type="char")
     (tmp_path / "t" / "char_vocab.json").write_text('{"pieces": ["a", "a"]}')
+    with pytest.raises(TokenizerError, match="does not match model_sha256"):
+        Tokenizer.load(tmp_path / "t")
+    # Without the hash to catch it, the content itself is checked.
+    meta_path = tmp_path / "t" / "mindloom_tokenizer.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "model_sha256": None, "vocab_size": 2}))
     with pytest.raises(TokenizerError, match="appears twice|differ"):
         Tokenizer.load(tmp_path / "t")
     (tmp_path / "t" / "char_vocab.json").write_text("[1, 2")
     with pytest.raises(TokenizerError, match="char_vocab.json: not valid JSON"):
+        Tokenizer.load(tmp_path / "t")
+    (tmp_path / "t" / "char_vocab.json").unlink()
+    with pytest.raises(TokenizerError, match="cannot read"):
         Tokenizer.load(tmp_path / "t")
 
 

@@ -13,6 +13,7 @@ unknown id, so it cannot reproduce nanoGPT's 65-symbol Shakespeare vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -74,12 +75,18 @@ class _CharModel:
         ]
 
     @classmethod
-    def from_file(cls, path: str) -> _CharModel:
+    def from_file(cls, path: str, expected_sha256: str | None = None) -> _CharModel:
         try:
-            with open(path, encoding="utf-8") as f:
-                obj = json.load(f)
+            with open(path, "rb") as f:
+                data = f.read()
         except OSError as exc:
             raise TokenizerError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if expected_sha256 and hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise TokenizerError(
+                f"{path} does not match model_sha256 in {META_FILE} (files from different runs?)"
+            )
+        try:
+            obj = json.loads(data.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TokenizerError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("pieces"), list):
@@ -178,17 +185,18 @@ class Tokenizer:
             meta = _read_metadata(meta_path) if os.path.exists(meta_path) else {}
             model_path = os.path.join(p, MODEL_FILE)
             if meta.get("model_type") == "char":
-                backend = _CharModel.from_file(os.path.join(p, CHAR_VOCAB_FILE))
+                vocab_path = os.path.join(p, CHAR_VOCAB_FILE)
+                backend = _CharModel.from_file(vocab_path, meta.get("model_sha256"))
                 return cls(backend, meta, path=p)
             if os.path.exists(model_path):
-                return cls(_load_sentencepiece(model_path), meta, path=p)
+                return cls(_load_sentencepiece(model_path, meta), meta, path=p)
             raise TokenizerError(f"no {MODEL_FILE} or {META_FILE} in tokenizer directory {p}")
         if os.path.isfile(p):
             meta_path = os.path.join(os.path.dirname(p) or ".", META_FILE)
             meta = {}
             if os.path.basename(p) == MODEL_FILE and os.path.exists(meta_path):
                 meta = _read_metadata(meta_path)
-            return cls(_load_sentencepiece(p), meta, path=p)
+            return cls(_load_sentencepiece(p, meta), meta, path=p)
         raise TokenizerError(f"tokenizer not found: {p}")
 
     # -- encoding ------------------------------------------------------------------------
@@ -322,7 +330,7 @@ def _spm_model_type(sp) -> str:
         return "sentencepiece"
 
 
-def _load_sentencepiece(path: str):
+def _load_sentencepiece(path: str, meta: dict | None = None):
     import sentencepiece as spm
 
     try:
@@ -332,6 +340,11 @@ def _load_sentencepiece(path: str):
         raise TokenizerError(f"cannot read tokenizer model {path}: {exc.strerror or exc}") from None
     if not data:
         raise TokenizerError(f"tokenizer model {path} is empty")
+    expected = (meta or {}).get("model_sha256")
+    if expected and hashlib.sha256(data).hexdigest() != expected:
+        raise TokenizerError(
+            f"{path} does not match model_sha256 in {META_FILE} (files from different runs?)"
+        )
     sp = spm.SentencePieceProcessor()
     try:
         sp.LoadFromSerializedProto(data)
