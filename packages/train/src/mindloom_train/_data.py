@@ -48,6 +48,13 @@ def prepare_tokenizer(cfg: Config, log) -> Any:
     return train_tokenizer(src, path, t.vocab_size, t.model_type, **kwargs)
 
 
+def _write_if_changed(path: Path, data: bytes) -> None:
+    # an unchanged slice keeps its mtime, so the tokenizer's completion marker still holds
+    if path.exists() and path.read_bytes() == data:
+        return
+    atomic_write(path, data)
+
+
 def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
     """Apply char_range / doc_range; returns the input path to tokenize."""
     if ds.char_range != [0.0, 1.0]:
@@ -59,7 +66,7 @@ def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
         n = len(text)
         a, b = (int(n * f) for f in ds.char_range)
         target = out.with_suffix(".txt")
-        atomic_write(target, text[a:b].encode("utf-8"))
+        _write_if_changed(target, text[a:b].encode("utf-8"))
         return str(target)
     if ds.doc_range != [0.0, 1.0]:
         from mindloom_data._readers import iter_documents
@@ -69,7 +76,7 @@ def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
         a, b = (int(round(n * f)) for f in ds.doc_range)
         target = out.with_suffix(".jsonl")
         lines = "".join(json.dumps({"text": d.text}) + "\n" for d in docs[a:b])
-        atomic_write(target, lines.encode("utf-8"))
+        _write_if_changed(target, lines.encode("utf-8"))
         return str(target)
     return src
 

@@ -20,8 +20,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 # layout of the `hyper` vector fed to every step
 H_LR, H_B1, H_B2, H_EPS, H_WD, H_CLIP, H_SPIKE, H_SCALE, H_LPOISON, H_GPOISON, H_GMULT = range(11)
-H_PREV_LOSS, H_NMICRO = 11, 12
-H_SIZE = 13
+H_PREV_LOSS, H_NMICRO, H_STOP = 11, 12, 13
+H_SIZE = 14
 
 _adamw = ops.AdamWeightDecay()
 
@@ -117,8 +117,11 @@ class TrainStep(_Base):
         loss = (loss.astype(ms.float32) + hyper[H_PREV_LOSS]) / hyper[H_NMICRO] + hyper[H_LPOISON]
         if self.grad_reducer is not None:
             grads = self.grad_reducer(grads)
+        stop = hyper[H_STOP]
         if self.loss_reducer is not None:
-            loss = self.loss_reducer(loss)
+            # one all-reduce carries the loss and the stop flag: every rank agrees on both
+            both = self.loss_reducer(ops.concat((loss.reshape(1), stop.reshape(1))))
+            loss, stop = both[0], both[1]
         grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         sq = ()
         for g in grads:
@@ -147,7 +150,19 @@ class TrainStep(_Base):
         if self.acc is not None:
             for i in range(len(self.acc)):
                 loss = ops.depend(loss, ops.assign(self.acc[i], ops.zeros_like(self.acc[i])))
-        return loss, gnorm, ok
+        return loss, gnorm, ok, stop
+
+
+class MeanOver(nn.Cell):
+    """Mean of a tensor over a process group (the data-parallel ranks)."""
+
+    def __init__(self, group_name: str, size: int):
+        super().__init__()
+        self.op = ops.AllReduce(ops.ReduceOp.SUM, group=group_name)
+        self.inv = 1.0 / size
+
+    def construct(self, x):
+        return self.op(x) * self.inv
 
 
 class EvalStep(nn.Cell):
@@ -179,6 +194,7 @@ def hyper_vector(
     grad_mult: float = 1.0,
     prev_loss_sum: float = 0.0,
     n_micro: int = 1,
+    stop: bool = False,
 ) -> Tensor:
     """Per-step scalars; `adam_step` is the 1-based count of applied updates (bias correction)."""
     bc1 = 1.0 - beta1**adam_step
@@ -196,4 +212,5 @@ def hyper_vector(
     h[H_GMULT] = grad_mult
     h[H_PREV_LOSS] = prev_loss_sum
     h[H_NMICRO] = n_micro
+    h[H_STOP] = 1.0 if stop else 0.0
     return Tensor(h)

@@ -81,10 +81,35 @@ class Trainer:
         self.console = console
         self.rank, self.world = 0, 1
         self.dp_rank, self.dp_size = 0, 1
+        self._fault_spec = fault_spec
+        self.groups = None
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
     # ------------------------------------------------------------------ setup
+
+    def _init_dist(self) -> None:
+        """Under msrun: communicator, this rank's data-parallel coordinates."""
+        self.groups = None
+        if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
+            return
+        from mindloom_parallel import ParallelConfig, ParallelConfigError, init_parallel
+
+        p = self.cfg.parallelism
+        if p.tp > 1 or p.pp > 1:
+            raise TrainError(
+                f"parallelism tp={p.tp} pp={p.pp}: mindloom train runs data parallel only so far"
+            )
+        pcfg = ParallelConfig(dp=p.dp, tp=1, pp=1, micro_batch_num=p.micro_batch_num, zero_stage=0)
+        try:
+            groups = init_parallel(pcfg)
+        except ParallelConfigError as exc:
+            raise TrainError(f"config parallelism: {exc}") from None
+        self.groups = groups
+        self.pcfg = pcfg
+        self.rank, self.world = groups.rank, groups.world_size
+        self.dp_rank, self.dp_size = groups.dp_rank, pcfg.dp
+        self.fault = FaultInjector(self._fault_spec, rank=self.rank)
 
     def _setup_dirs(self) -> None:
         cfg = self.cfg
@@ -161,11 +186,21 @@ class Trainer:
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
         self.accum = cfg.grad_accum_steps
-        self.train_step = _step.TrainStep(self.loss_net, weights, flags, self.accum)
+        grad_red = loss_red = eval_red = None
+        if self.groups is not None and self.dp_size > 1:
+            from mindloom_parallel import GradReducer
+
+            dp = self.groups.dp
+            grad_red = GradReducer(self.params, dp, cfg.parallelism.bucket_size_mb, mean=True)
+            loss_red = _step.MeanOver(dp.name, dp.size)
+            eval_red = _step.MeanOver(dp.name, dp.size)
+        self.train_step = _step.TrainStep(
+            self.loss_net, weights, flags, self.accum, grad_red, loss_red
+        )
         self.accum_step = (
             _step.AccumStep(self.loss_net, weights, self.train_step.acc) if self.accum > 1 else None
         )
-        self.eval_step = _step.EvalStep(self.loss_net)
+        self.eval_step = _step.EvalStep(self.loss_net, eval_red)
 
     # ------------------------------------------------------------------ state
 
@@ -236,17 +271,23 @@ class Trainer:
             "time": time.time(),
         }
 
-    def save(self, step: int, reason: str) -> Path:
+    def save(self, step: int, reason: str) -> Path | None:
+        if self.rank != 0:  # data parallel: the replicas are identical, rank 0 writes
+            self.last_saved_step = step
+            return None
         t0 = time.perf_counter()
         shards = {
             ck.shard_name("model", 0, 1): self._model_tensors(),
             ck.shard_name("optim", 0, 1): self._opt_tensors(),
         }
+        metadata = ck.default_metadata(shards, self.world)
+        metadata["layout"] = self._layout()
         path = ck.save_checkpoint(
             self.save_path,
             step,
             shards,
             self._common(),
+            metadata=metadata,
             keep_last=self.cfg.checkpoint.keep_last,
             verify_integrity=self.cfg.checkpoint.verify_integrity,
             on_progress=self.fault.on_save_progress if self.fault else None,
@@ -258,6 +299,18 @@ class Trainer:
         )
         self.last_saved_step = step
         return path
+
+    def _layout(self) -> dict | None:
+        """mindloom_parallel's description: global shape and split of every tensor."""
+        try:
+            from mindloom_parallel import layout_metadata
+
+            p = self.cfg.parallelism
+            return layout_metadata(
+                dataclasses.asdict(self.mcfg), {"dp": p.dp, "tp": p.tp, "pp": p.pp}
+            )
+        except Exception as exc:  # descriptive only; a checkpoint never fails for it
+            return {"error": f"layout unavailable: {exc}"}
 
     def _resume(self) -> None:
         """Auto-resume, weights-only start, or fresh; sets step / consumed / optimizer state."""
@@ -293,7 +346,9 @@ class Trainer:
                     "set checkpoint.override_schedule=true to accept"
                 )
             tensors = ckpt.load_tensors()
-            self._load_params(self.params, tensors, where)
+            opt_names = ("exp_avg.", "exp_avg_sq.")
+            weights = {k: v for k, v in tensors.items() if not k.startswith(opt_names)}
+            self._load_params(self.params, weights, where)
             opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
             opt = {k: v for k, v in tensors.items() if k.startswith(("exp_avg.", "exp_avg_sq."))}
             self._load_params(opt_params, opt, where)
@@ -414,6 +469,12 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
+        try:
+            self._setup_context()
+            self._init_dist()
+        except TrainError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
         self._setup_dirs()
         status, reason, code = "failed", "", EXIT_FAILED
         self.step = 0
@@ -439,7 +500,6 @@ class Trainer:
 
         cfg, t = self.cfg, self.cfg.training
         self.config_hash = cfg.hash()
-        self._setup_context()
         self.log(f"run: {self.run_dir} (config hash {self.config_hash})")
         # data first: a missing corpus should fail before any model is built
         tok = _data.prepare_tokenizer(cfg, self.log)
@@ -556,13 +616,13 @@ class Trainer:
                     grad_mult=1e6 if self.fault.step_fault("grad_spike", step) else 1.0,
                     prev_loss_sum=prev_sum,
                     n_micro=self.accum,
+                    stop=self._stop_signal is not None,
                 )
-                loss_t, gnorm_t, ok_t = self.train_step(*self._tensors(batch), hyper)
-                loss, gnorm, ok = (
-                    float(loss_t.asnumpy()),
-                    float(gnorm_t.asnumpy()),
-                    bool(ok_t.asnumpy()),
-                )
+                loss_t, gnorm_t, ok_t, stop_t = self.train_step(*self._tensors(batch), hyper)
+                loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
+                ok = bool(ok_t.asnumpy())
+                if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
+                    self._stop_signal = "SIGTERM (another rank)"
                 dt = time.perf_counter() - t_step
                 self.step = step
                 self.consumed += gbs

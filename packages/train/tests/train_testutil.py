@@ -1,0 +1,44 @@
+"""Helpers shared by the mindloom-train tests (imported via conftest's sys.path entry)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+
+def base_config(prepared: dict[str, str], run_dir: Path, **sections) -> dict:
+    """A tiny, fast run: debug preset, 65-char vocabulary, seq 32, batch 4."""
+    cfg = {
+        "model": {"preset": "debug", "vocab_size": None},
+        "tokenizer": {"path": prepared["tokenizer"]},
+        "train_dataset": {"data_prefix": [prepared["train"]], "seq_length": 32},
+        "eval_dataset": {"data_prefix": [prepared["eval"]], "seq_length": 32},
+        "training": {"train_iters": 8, "global_batch_size": 4, "micro_batch_size": 4,
+                     "eval_iters": 2, "eval_interval": 0},
+        "lr_scheduler": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2},
+        "monitor": {"log_interval": 1, "progress_bar": False, "peak_tflops": 0.1},
+        "checkpoint": {"save_interval": 0, "keep_last": 2},
+        "seed": 7,
+        "run_dir": str(run_dir),
+    }  # fmt: skip
+    out = copy.deepcopy(cfg)
+    for section, values in sections.items():
+        if isinstance(values, dict) and isinstance(out.get(section), dict):
+            out[section].update(values)
+        else:
+            out[section] = values
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if "event" not in r}
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if r.get("event") == name]
