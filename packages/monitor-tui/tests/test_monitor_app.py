@@ -260,3 +260,26 @@ async def test_million_line_file_opens_from_the_tail(million_run):
         assert await wait_for(
             pilot, lambda: "big running  step 1,000,000/2,000,000" in screen_text(app)
         )
+
+
+async def test_absurd_values_and_wrong_types_do_not_crash(tmp_path):
+    run = tmp_path / "odd"
+    run.mkdir()
+    lines = [
+        '{"event": "start", "total_steps": "10", "run_name": ["a"]}',
+        '{"step": 1, "time": "x", "loss": "2"}',
+        '{"event": "anomaly", "step": 2, "kind": 7, "value": "x", "action": null}',
+        '{"event": "checkpoint", "step": 2, "path": 5}',
+    ]
+    lines += [
+        f'{{"step": {i}, "loss": {"1e300" if i % 2 else "-1e300"}, "grad_norm": 1e308}}'
+        for i in range(3, 50)
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    app = make_app(run)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app)
+        await pilot.press("o", "2", "r", "3", "1")
+        assert await wait_for(pilot, lambda: "odd running  step 49" in screen_text(app))
+        assert "cannot draw" not in screen_text(app)
+        assert not [e for e in app.runs[0].events if e.kind == "error"]

@@ -29,6 +29,7 @@ LOG_KEEP = 2000  # lines of train.log kept per run
 EVENT_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
 PALETTE = ("cyan", "orange", "green", "magenta", "blue", "red")
 CONFIG_MAX = 1 << 20
+PLOT_LIMIT = 1e100  # larger magnitudes are left out of the plots (they stay in the events)
 
 
 class RunBatch(Message):
@@ -104,6 +105,9 @@ class MetricPlot(PlotextPlot):
         plt.clear_figure()
         plt.title(title)
         for label, xs, ys, side, color, kind in lines:
+            if any(abs(y) > PLOT_LIMIT for y in ys):  # plotext overflows on such ranges
+                pts = [(x, y) for x, y in zip(xs, ys) if abs(y) <= PLOT_LIMIT]
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             if not xs:
                 continue
             if kind == "scatter":
@@ -111,6 +115,12 @@ class MetricPlot(PlotextPlot):
             else:
                 plt.plot(xs, ys, label=label, yside=side, color=color, marker="braille")
         self.refresh()
+
+    def render(self):
+        try:
+            return super().render()
+        except Exception as exc:  # never let one odd series take the app down
+            return Text(f"cannot draw this plot: {type(exc).__name__}: {exc}", style="red")
 
 
 class ConfigScreen(ModalScreen):
@@ -264,7 +274,10 @@ class MonitorApp(App):
     # --- data --------------------------------------------------------------------------
     def on_run_batch(self, message: RunBatch) -> None:
         data = self.runs[message.index]
-        apply_batch(data, message.batch)
+        try:
+            apply_batch(data, message.batch)
+        except Exception as exc:  # shown as an event: the monitor must outlive bad data
+            data.note("error", f"could not apply new lines: {type(exc).__name__}: {exc}", "error")
         log = self.logs[message.index]
         if message.batch.log_reset:
             log.clear()
@@ -313,7 +326,9 @@ class MonitorApp(App):
             t.append(f"  step {of}")
             t.append(f"  elapsed {fmt_duration(data.elapsed(now))}  ETA {fmt_duration(data.eta())}")
         elif status == "waiting":
-            t.append(f"  waiting for {METRICS}")
+            t.append(
+                f"  waiting for {METRICS}" if not data.metrics_exists else "  no metric lines yet"
+            )
         t.append("\n")
         ckpt = data.last_checkpoint
         t.append(f"tokens {fmt_count(data.tokens)}  ckpt {ckpt[0] if ckpt else '-'}  ")
@@ -367,7 +382,12 @@ class MonitorApp(App):
         key = (self.selected, self.overlay, self.last_n, self.size, *(r.version for r in self.runs))
         if key != self._drawn:
             self._drawn = key
-            self._draw_plots()
+            try:
+                self._draw_plots()
+            except Exception as exc:  # e.g. plotext on values it cannot scale
+                data.note(
+                    "error", f"could not draw the plots: {type(exc).__name__}: {exc}", "error"
+                )
             self._draw_events()
             self.redraws += 1
         log_key = (self.selected, self.log_versions[self.selected])

@@ -290,7 +290,10 @@ class RunData:
         else:
             self.smoothed.append(self.smoothed[-1] if self.smoothed else math.nan)
         if detect:
-            self._detect(m)
+            try:
+                self._detect(m)
+            except ArithmeticError:  # absurd magnitudes (1e308): no verdict, no crash
+                pass
         if len(self.steps) > self.settings.max_points:
             self._thin()
 
@@ -305,7 +308,7 @@ class RunData:
             win = self._loss_win
             if len(win) >= 20:
                 mean = sum(win) / len(win)
-                std = math.sqrt(sum((x - mean) ** 2 for x in win) / len(win))
+                std = math.sqrt(sum((x - mean) * (x - mean) for x in win) / len(win))
                 if loss > mean + max(s.spike_sigmas * std, 0.05 * abs(mean)):
                     self._event(
                         "loss_spike",
