@@ -1,0 +1,131 @@
+"""The parallel layout: one dataclass and ONE validation that names the numbers that disagree."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+class ParallelConfigError(ValueError):
+    """A layout that cannot run; the message is one line naming the numbers that disagree."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a run is split: ``world_size == dp * tp * pp``.
+
+    ``micro_batch_num`` is the number of micro-batches each data-parallel rank runs per step
+    (pipeline micro-batches, or gradient accumulation when ``pp == 1``).
+    ``zero_stage`` 0 keeps full optimizer state on every DP rank, 1 shards it over DP.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_num: int = 1
+    zero_stage: int = 0
+    bucket_size_mb: float = 25.0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> ParallelConfig:
+        """Build from a config section; an unknown key is a one-line error naming it."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ParallelConfigError(
+                    f"parallelism.{key}: unknown key (known: {', '.join(sorted(known))})"
+                )
+        for key in ("dp", "tp", "pp", "micro_batch_num", "zero_stage"):
+            if key in d and (isinstance(d[key], bool) or not isinstance(d[key], int)):
+                raise ParallelConfigError(
+                    f"parallelism.{key}: expected an integer, got {d[key]!r}"
+                )
+        if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
+            raise ParallelConfigError(
+                f"parallelism.sequence_parallel: expected true/false, got {d['sequence_parallel']!r}"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate(
+    pcfg: ParallelConfig,
+    model_cfg=None,
+    world_size: int | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    seq_length: int | None = None,
+) -> ParallelConfig:
+    """Check a layout against the model, the world and the batch; raise ParallelConfigError.
+
+    The one place every layout rule lives, so the launcher (before any worker starts) and
+    each worker (after init) refuse the same configs with the same message.
+    ``model_cfg`` is a ``mindloom_model.ModelConfig`` (or a dict with its keys). Returns
+    ``pcfg`` so it can be used inline.
+    """
+    p = pcfg
+    for key in ("dp", "tp", "pp", "micro_batch_num"):
+        v = getattr(p, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ParallelConfigError(f"parallelism.{key} = {v!r}: must be an integer >= 1")
+    if p.zero_stage not in (0, 1):
+        raise ParallelConfigError(
+            f"parallelism.zero_stage = {p.zero_stage!r}: only 0 (off) and 1 (optimizer state) exist"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ParallelConfigError(
+            "parallelism.sequence_parallel = true needs tp > 1 (tp = 1): it splits the "
+            "sequence over the tensor-parallel group"
+        )
+    if world_size is not None and world_size != p.world_size:
+        raise ParallelConfigError(
+            f"world size {world_size} != dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.world_size}"
+        )
+    if model_cfg is not None:
+        n_heads = _field(model_cfg, "num_heads", "n_heads")
+        n_kv = _field(model_cfg, "num_kv_heads", "n_kv_heads") or n_heads
+        checks = [
+            ("num_heads", n_heads, p.tp, "tp"),
+            ("num_kv_heads", n_kv, p.tp, "tp"),
+            ("vocab_size", _field(model_cfg, "vocab_size"), p.tp, "tp"),
+            ("ffn_hidden_size", _field(model_cfg, "ffn_hidden_size", "intermediate_size"), p.tp, "tp"),
+            ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
+        ]
+        for key, value, by, axis in checks:
+            if value is not None and int(value) % by:
+                raise ParallelConfigError(
+                    f"model.{key} = {value} is not divisible by parallelism.{axis} = {by}"
+                )
+    if global_batch_size is not None:
+        mbs = micro_batch_size or 1
+        if global_batch_size % (p.dp * mbs):
+            raise ParallelConfigError(
+                f"global batch {global_batch_size} is not divisible by dp*micro_batch_size = "
+                f"{p.dp}*{mbs} = {p.dp * mbs}"
+            )
+        if global_batch_size != p.dp * mbs * p.micro_batch_num:
+            raise ParallelConfigError(
+                f"global batch {global_batch_size} != dp*micro_batch_size*micro_batch_num = "
+                f"{p.dp}*{mbs}*{p.micro_batch_num} = {p.dp * mbs * p.micro_batch_num}"
+            )
+    if seq_length is not None and p.sequence_parallel and seq_length % p.tp:
+        raise ParallelConfigError(
+            f"seq_length {seq_length} is not divisible by parallelism.tp = {p.tp} "
+            "(sequence parallel splits the sequence)"
+        )
+    return p
+
+
+def _field(cfg, *names):
+    for n in names:
+        v = cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return None
