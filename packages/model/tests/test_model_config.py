@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
-from mindspore import Tensor
-
 from mindloom_model import Llama, ModelConfig, get_preset, preset_names
+from mindspore import Tensor
 
 
 def test_presets_exist_and_match_the_issue():
