@@ -21,8 +21,8 @@ def snap_run(tmp_path, monkeypatch):
 
 def ready(app):
     async def run_before(pilot):
-        assert await wait_for(pilot, lambda: app.loaded == len(app.runs) and app.redraws > 0)
-        await pilot.pause(0.3)  # let the last redraw land
+        assert await wait_for(pilot, lambda: app.settled)
+        await pilot.pause(0.1)  # let the widgets repaint
 
     return run_before
 
@@ -49,7 +49,8 @@ def test_snapshot_160x48_overlay_two_runs(snap_run, tmp_path, snap_compare):
     async def run_before(pilot):
         await ready(app)(pilot)
         await pilot.press("o")
-        await pilot.pause(0.3)
+        assert await wait_for(pilot, lambda: app.settled)
+        await pilot.pause(0.1)
 
     assert snap_compare(app, terminal_size=(160, 48), run_before=run_before)
 

@@ -396,6 +396,12 @@ class MonitorApp(App):
             self._draw_log()
         self._update_header()
 
+    @property
+    def settled(self) -> bool:
+        """Every run read and everything received drawn (tests wait on this)."""
+        key = (self.selected, self.overlay, self.last_n, self.size, *(r.version for r in self.runs))
+        return self.loaded == len(self.runs) and not self._redraw_pending and key == self._drawn
+
     def _draw_plots(self) -> None:
         n = self.last_n
         buckets = max(50, self.size.width)
