@@ -190,3 +190,14 @@ def test_trainer_event_shapes_failed_checkpoint_and_resume():
     assert data.last_checkpoint == (200, "ck/200")  # a failed save is not the last checkpoint
     assert data.events[2].level == "error" and "FAILED disk full" in data.events[2].text
     assert data.evals[0][:2] == (300, 800.0) and math.isnan(data.evals[0][2])
+
+
+def test_lines_without_time_still_count_as_reports():
+    data = RunData("r", Settings(stall_after_s=60))
+    data.add(Metric(step=1, time=None, fields={"loss": 1.0}))
+    assert not data.check_stall(1000.0)  # nothing to measure silence from yet
+    data.seen(1000.0)  # the app saw new lines at 1000
+    assert not data.check_stall(1050.0)
+    assert data.check_stall(1061.0)
+    data.seen(1100.0)
+    assert data.status() == "running" and data.events[-1].kind == "resumed"

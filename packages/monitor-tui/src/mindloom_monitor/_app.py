@@ -286,6 +286,8 @@ class MonitorApp(App):
             self.log_versions[message.index] += 1
         if message.batch.initial:
             self.loaded += 1
+        elif message.batch.records:
+            data.seen(self.clock())
         self.batches += 1
         self._update_header()
         self._schedule_redraw()

@@ -152,20 +152,22 @@ class RunData:
         for rec in records:
             self.add(rec, detect=detect)
 
+    def seen(self, now: float) -> None:
+        """New lines arrived at `now` (the monitor's clock). Counts as a report even when
+        lines carry no `time`, or the writer's clock differs from ours."""
+        self._report(now)
+
+    def _report(self, t: float, step: int | None = None) -> None:
+        if self.last_report is None or t > self.last_report:
+            self.last_report = t
+        if self._stalled:
+            self._stalled = False
+            self._event("resumed", step, t, "reporting again", "info", dedupe=False)
+
     def add(self, rec: Record, detect: bool = True) -> None:
         self.version += 1
-        if rec.time is not None and (self.last_report is None or rec.time > self.last_report):
-            self.last_report = rec.time
-            if self._stalled:
-                self._stalled = False
-                self._event(
-                    "resumed",
-                    rec.step if isinstance(rec, Metric) else rec.step,
-                    rec.time,
-                    "reporting again",
-                    "info",
-                    dedupe=False,
-                )
+        if rec.time is not None:
+            self._report(rec.time, rec.step)
         if isinstance(rec, Event):
             self._add_event(rec)
         else:
