@@ -39,14 +39,14 @@ for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 
 
-def run_peer(corpus: str, tok_dir: str, out: str) -> dict:
+def run_peer(corpus: str, tok_dir: str, out: str, cpu) -> dict:
     import sentencepiece as spm
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     sp = spm.SentencePieceProcessor(model_file=os.path.join(tok_dir, "tokenizer.model"))
     eos = sp.eos_id()
     dtype = DType.optimal_dtype(sp.get_piece_size())
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     builder = IndexedDatasetBuilder(out + ".bin", dtype=dtype)
     nbytes = 0
     with open(corpus, encoding="utf-8") as f:
@@ -57,15 +57,16 @@ def run_peer(corpus: str, tok_dir: str, out: str) -> dict:
             ids.append(eos)
             builder.add_document(ids, [len(ids)])  # a list, as preprocess_data.py passes it
     builder.finalize(out + ".idx")
-    return {"seconds": time.perf_counter() - t0, "bytes": nbytes}
+    return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "cpu_seconds": cpu() - c0}
 
 
-def run_mindloom(corpus: str, tok_dir: str, out: str, workers: int) -> dict:
+def run_mindloom(corpus: str, tok_dir: str, out: str, workers: int, cpu) -> dict:
     from mindloom_data import tokenize
 
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     stats = tokenize(corpus, tok_dir, out, workers=workers, force=True)
-    return {"seconds": time.perf_counter() - t0, "bytes": stats.text_bytes}
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bytes": stats.text_bytes, "cpu_seconds": cpu() - c0}
 
 
 def child(argv) -> int:
@@ -78,12 +79,10 @@ def child(argv) -> int:
         b = resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
-    c0 = cpu()
     if kind == "A":
-        res = run_peer(corpus, tok_dir, out)
+        res = run_peer(corpus, tok_dir, out, cpu)
     else:
-        res = run_mindloom(corpus, tok_dir, out, int(kind[1:]))
-    res["cpu_seconds"] = cpu() - c0
+        res = run_mindloom(corpus, tok_dir, out, int(kind[1:]), cpu)
     # VmHWM: ru_maxrss would keep the parent's RSS across fork + exec
     with open("/proc/self/status") as f:
         self_kb = int([x for x in f if x.startswith("VmHWM")][0].split()[1])

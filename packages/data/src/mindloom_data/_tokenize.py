@@ -28,7 +28,7 @@ from mindloom_data._indexed import IndexedDataset, IndexedDatasetBuilder, optima
 from mindloom_data._readers import ReadStats, iter_documents
 
 DEFAULT_CHUNK_CHARS = 1 << 20
-DEFAULT_TASK_BYTES = 1 << 20
+DEFAULT_TASK_BYTES = 1 << 18  # small enough to keep every worker busy on a few MB
 
 
 @dataclass
