@@ -1,7 +1,7 @@
 """mindloom-tokenizer (SentencePiece BPE) vs Hugging Face `tokenizers` BPE.
 
     ./dev bench benchmarks/tokenizer.py [--mb 20] [--vocab-size 32000] [--threads 2]
-        [--encode-mb 4] [--repeats 5] [--workdir DIR]
+        [--encode-mb 4] [--repeats 3] [--workdir DIR]
 
 1. Builds a deterministic corpus of about `--mb` MB: the bundled tiny Shakespeare, then
    synthetic English (words drawn by Shakespeare's word frequencies), numbers and
@@ -48,7 +48,7 @@ def parse(argv):
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--encode-mb", type=float, default=4.0, help="text encoded per repeat")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", help="keep the corpus and tokenizers here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--corpus", help=argparse.SUPPRESS)
