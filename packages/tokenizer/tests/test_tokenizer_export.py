@@ -86,3 +86,14 @@ def test_char_export_round_trips(tmp_path):
     assert hf.encode(text, add_special_tokens=False).ids == ids
     assert hf.decode(ids) == text
     assert hf.encode("Q~", add_special_tokens=False).ids == [tok.unk_id, tok.unk_id]
+
+
+def test_unsupported_normalization_is_refused(corpus_dir, tmp_path):
+    from mindloom_tokenizer import TokenizerError
+
+    tok = train_tokenizer(
+        corpus_dir, tmp_path / "t", 600, normalization_rule_name="nmt_nfkc", num_threads=2
+    )
+    with pytest.raises(TokenizerError, match="identity normalization only"):
+        export_hf(tok)
+    assert not (tmp_path / "t" / "tokenizer.json").exists()
