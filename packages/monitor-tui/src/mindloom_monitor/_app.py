@@ -99,17 +99,23 @@ class Watcher:
 class MetricPlot(PlotextPlot):
     """A plotext plot that is rebuilt only when its data changes."""
 
+    x_range: tuple[int, int] | None = None  # steps shown, for tests and the curious
+
     def draw(self, title: str, lines: list[tuple[str, list, list, str, str, str]]) -> None:
         plt = self.plt
         plt.clear_data()
         plt.clear_figure()
         plt.title(title)
+        self.x_range = None
         for label, xs, ys, side, color, kind in lines:
             if any(abs(y) > PLOT_LIMIT for y in ys):  # plotext overflows on such ranges
                 pts = [(x, y) for x, y in zip(xs, ys) if abs(y) <= PLOT_LIMIT]
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             if not xs:
                 continue
+            lo, hi = (xs[0], xs[-1]) if self.x_range is None else self.x_range
+            self.x_range = (min(lo, xs[0]), max(hi, xs[-1]))
+            label = label or None  # plotext draws a legend entry for any label given
             if kind == "scatter":
                 plt.scatter(xs, ys, label=label, yside=side, color=color, marker="dot")
             else:
@@ -414,35 +420,35 @@ class MonitorApp(App):
         )
         loss, lr, grad, thr = [], [], [], []
         for i, data in runs:
-            color = PALETTE[i % len(PALETTE)]
-            tag = f"{data.name} " if self.overlay else ""
+            # One run: no legend (the titles say what is what), so the plots keep their
+            # room at 80x24. Overlay: the run names label the main series.
+            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
+            name = data.name if self.overlay else ""
             if not self.overlay:
-                loss.append(("loss", *data.view("loss", n, buckets), "left", "gray", "line"))
-            loss.append(
-                (f"{tag}smoothed", *data.view("smoothed", n, buckets), "left", color, "line")
-            )
-            loss.append(
-                (
-                    f"{tag}eval ppl",
-                    *data.view("ppl", n),
-                    "right",
-                    "red" if not self.overlay else color,
-                    "scatter",
-                )
-            )
-            lr.append((tag.strip(), *data.view("lr", n, buckets), "left", color, "line"))
-            grad.append((tag.strip(), *data.view("grad_norm", n, buckets), "left", color, "line"))
-            thr.append(
-                (f"{tag}tok/s", *data.view("tokens_per_s", n, buckets), "left", color, "line")
-            )
+                loss.append(("", *data.view("loss", n, buckets), "left", "gray", "line"))
+            loss.append((name, *data.view("smoothed", n, buckets), "left", color, "line"))
+            ppl_color = color if self.overlay else "red"
+            loss.append(("", *data.view("ppl", n), "right", ppl_color, "scatter"))
+            lr.append((name, *data.view("lr", n, buckets), "left", color, "line"))
+            grad.append((name, *data.view("grad_norm", n, buckets), "left", color, "line"))
+            thr.append((name, *data.view("tokens_per_s", n, buckets), "left", color, "line"))
             xs, ys = data.view("mfu", n, buckets)
-            mfu_color = "green" if not self.overlay else color
-            thr.append((f"{tag}MFU %", xs, [100 * y for y in ys], "right", mfu_color, "line"))
-        suffix = f" ({self.range_label})"
-        self.query_one("#plot-loss", MetricPlot).draw("loss · eval ppl" + suffix, loss)
+            mfu_color = color if self.overlay else "green"
+            thr.append(("", xs, [100 * y for y in ys], "right", mfu_color, "line"))
+        wide = self.size.width >= 120
+        if self.overlay:
+            loss_title = "smoothed loss · eval ppl (dots, right)" if wide else "smoothed · ppl (r)"
+        else:
+            loss_title = (
+                "loss (grey), smoothed · eval ppl (dots, right)"
+                if wide
+                else "loss, smoothed · ppl (r)"
+            )
+        thr_title = "tokens/s · MFU % (right)" if wide else "tokens/s · MFU % (r)"
+        self.query_one("#plot-loss", MetricPlot).draw(loss_title, loss)
         self.query_one("#plot-lr", MetricPlot).draw("learning rate", lr)
         self.query_one("#plot-grad_norm", MetricPlot).draw("grad norm", grad)
-        self.query_one("#plot-throughput", MetricPlot).draw("tokens/s · MFU %", thr)
+        self.query_one("#plot-throughput", MetricPlot).draw(thr_title, thr)
 
     def _format_event(self, ev) -> Text:
         where = f"{ev.step:>7}" if ev.step is not None else "      -"
