@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mindloom_data import BlendedDataset, IndexedDatasetBuilder, build_datasets
+from mindloom_data import (
+    BlendedDataset,
+    IndexedDatasetBuilder,
+    build_dataloader,
+    build_datasets,
+)
 from mindloom_data._blend import parse_blend
 from mindloom_data._cli import main
 from mindloom_data._pack import parse_split, split_ranges
@@ -63,6 +68,9 @@ def test_blend_follows_weights_and_is_deterministic(sources, tmp_path):
     assert all(
         np.array_equal(train[k]["tokens"], again["train"][k]["tokens"]) for k in (0, 99, 399)
     )
+    # the trainer's loader takes a blend like any dataset
+    batches = list(build_dataloader(train, global_batch_size=8, micro_batch_size=4, dp_size=2))
+    assert len(batches) == 50 and batches[0]["segment_ids"].shape == (4, SEQ)
     # valid uses only the held-out documents of each source
     valid = built["valid"]
     assert valid.datasets[0].documents.tolist() == list(range(180, 200))

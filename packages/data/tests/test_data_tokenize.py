@@ -68,6 +68,9 @@ def test_round_trip_and_eos_once_per_document(tmp_path, tok_dir, corpus, capsys)
         assert int(ids[-1]) == tok.eos_id and int((ids == tok.eos_id).sum()) == 1
         assert tok.decode(ids) == text
         assert ids[:-1].tolist() == tok.encode(text)
+    assert main(["inspect", out, "--tokenizer", tok_dir, "--show", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert f"documents {len(texts)}" in shown and repr(texts[0][:300]) in shown
 
 
 def test_no_eos_writes_plain_tokens(tmp_path, tok_dir, corpus):
