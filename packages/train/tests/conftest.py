@@ -36,3 +36,13 @@ def prepared(tmp_path_factory) -> dict[str, str]:
     train = _data.prepare_dataset(cfg, cfg.train_dataset, "train", Path(tok), lambda m: None)
     ev = _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", Path(tok), lambda m: None)
     return {"tokenizer": tok, "train": train[0], "eval": ev[0]}
+
+
+@pytest.fixture(scope="session")
+def run_a(prepared, tmp_path_factory) -> Path:
+    """The reference run: 8 uninterrupted steps, checkpoint at the end."""
+    from train_testutil import SCHED, base_config, run_config
+
+    run = tmp_path_factory.mktemp("run_a")
+    assert run_config(base_config(prepared, run, lr_scheduler=SCHED)) == 0
+    return run

@@ -14,23 +14,10 @@ import numpy as np
 import pytest
 import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
-from mindloom_train._config import from_dict
-from mindloom_train._trainer import EXIT_ANOMALY, Trainer
-from train_testutil import base_config, events, read_metrics, step_records
+from mindloom_train._trainer import EXIT_ANOMALY
+from train_testutil import SCHED, base_config, events, read_metrics, run_config, step_records
 
-SCHED = {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2, "decay_iters": 8}
-
-
-def _run(cfg_dict: dict, fault: str | None = None) -> int:
-    return Trainer(from_dict(cfg_dict), fault_spec=fault or "").run()
-
-
-@pytest.fixture(scope="module")
-def run_a(prepared, tmp_path_factory) -> Path:
-    """The reference: 8 uninterrupted steps."""
-    run = tmp_path_factory.mktemp("run_a")
-    assert _run(base_config(prepared, run, lr_scheduler=SCHED)) == 0
-    return run
+_run = run_config
 
 
 def _weights(step_dir: Path) -> dict[str, np.ndarray]:

@@ -6,6 +6,15 @@ import copy
 import json
 from pathlib import Path
 
+SCHED = {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2, "decay_iters": 8}
+
+
+def run_config(cfg_dict: dict, fault: str | None = None) -> int:
+    from mindloom_train._config import from_dict
+    from mindloom_train._trainer import Trainer
+
+    return Trainer(from_dict(cfg_dict), fault_spec=fault or "").run()
+
 
 def base_config(prepared: dict[str, str], run_dir: Path, **sections) -> dict:
     """A tiny, fast run: debug preset, 65-char vocabulary, seq 32, batch 4."""

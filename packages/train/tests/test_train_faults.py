@@ -1,0 +1,98 @@
+"""Real signals in real processes: kill -9 during a save, SIGTERM mid-run."""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from mindloom_train._checkpoint import Checkpoint, read_tracker
+from mindloom_train._faults import PAUSE_MARKER
+from train_testutil import SCHED, base_config, events, step_records
+
+
+def _start(cfg: dict, path: Path, fault: str | None) -> subprocess.Popen:
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "mindloom_train._cli", "train", str(path)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+
+
+def _wait_for(proc: subprocess.Popen, needle: str, timeout: float = 240) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], 1.0)
+        if ready:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            seen.append(line)
+            if needle in line:
+                return line
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"{needle!r} never appeared; last lines: {''.join(seen[-10:])}")
+
+
+def test_kill_9_during_saves_resumes_from_last_complete(prepared, tmp_path):
+    run = tmp_path / "k"
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, training={"train_iters": 6},
+                      checkpoint={"save_interval": 2})  # fmt: skip
+    after = random.randint(1, 4)  # shards, metadata.json, common.json: any moment must be safe
+    proc = _start(cfg, tmp_path / "k.yaml", f"pause_save@4:{after}")
+    _wait_for(proc, PAUSE_MARKER)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    save = run / "checkpoints"
+    assert read_tracker(save) == 2
+    assert (save / ".tmp-step_00000004").is_dir() and not (save / "step_00000004").exists()
+    # second kill: step 6 fully renamed, but `latest` not yet updated
+    proc = _start(cfg, tmp_path / "k.yaml", "pause_save@6:tracker")
+    line = _wait_for(proc, PAUSE_MARKER)
+    assert "step=6" in line
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert read_tracker(save) == 4
+    log = (run / "train.log").read_text()
+    assert "incomplete save" in log and "resumed from" in log and "step_00000002" in log
+    # third run: resumes from 4 (the tracker), never from scratch, and finishes
+    proc = _start(cfg, tmp_path / "k.yaml", None)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "resumed from" in err and "step_00000004" in err
+    assert read_tracker(save) == 6
+    assert Checkpoint(save / "step_00000006").common["consumed_samples"] == 24
+    recs = step_records(run)
+    assert sorted(recs) == [1, 2, 3, 4, 5, 6]
+
+
+def test_sigterm_saves_and_exits_cleanly(prepared, tmp_path):
+    run = tmp_path / "s"
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, training={"train_iters": 5000})
+    cfg["lr_scheduler"] = {**SCHED, "decay_iters": 5000}
+    proc = _start(cfg, tmp_path / "s.yaml", None)
+    _wait_for(proc, "] 3/5000")
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert time.monotonic() - t0 < 60
+    end = events(run, "end")[-1]
+    assert end["status"] == "stopped" and "SIGTERM" in end["reason"]
+    step = read_tracker(run / "checkpoints")
+    assert step == end["step"] >= 3
+    assert (
+        Checkpoint(run / "checkpoints" / f"step_{step:08d}").common["consumed_samples"] == 4 * step
+    )
