@@ -233,3 +233,19 @@ def test_yaml_config_switches_steps(tmp_path):
     assert "repetition" not in report["steps"] and "minhash_dedup" not in report["steps"]
     assert "too_short" not in report["steps"]["length"]["removed"]
     assert report["steps"]["exact_dedup"]["removed"]["exact_duplicate"] > 0
+
+
+def test_a_50_mb_document_is_counted_not_fatal(tmp_path):
+    src = tmp_path / "in.jsonl"
+    rng = random.Random(7)
+    with open(src, "w") as f:
+        f.write(json.dumps({"text": _doc(rng, 80)}) + "\n")
+        f.write(json.dumps({"text": "lorem ipsum " * (50 * 1024 * 1024 // 12)}) + "\n")
+        f.write(json.dumps({"text": _doc(rng, 80)}) + "\n")
+    out = tmp_path / "out"
+    assert main(["clean", str(src), "-o", str(out), "-q"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["length"]["removed"] == {"too_long": 1}
+    assert report["steps"]["length"]["examples"]["too_long"][0]["id"] == f"{src}:2"
+    rows = pq.read_table(out / "shard-00000.parquet").column("line").to_pylist()
+    assert rows == [1, 3]
