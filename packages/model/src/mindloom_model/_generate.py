@@ -1,41 +1,86 @@
 """Autoregressive sampling with a KV cache: greedy, temperature, top-k, top-p.
 
-Generation runs eagerly (PyNative): every step has a new cache length, which would
-recompile a graph each time. Sampling happens in NumPy with its own seeded generator.
+Generation is compiled (GRAPH_MODE): the KV cache has a fixed size (max_seq_len), so the
+one-token decode step compiles once and the prompt once per prompt length; without the
+cache the sequence is right-padded to max_seq_len (causal attention makes padding after
+the last token harmless), so that path also compiles once. Sampling happens in NumPy
+with its own seeded generator.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor, nn, ops
 
 from mindloom_model._llama import Llama, attention, rope_cos_sin
 
 
-def _cached_forward(model: Llama, tokens: np.ndarray, start: int, cache: list):
-    """tokens [B, T] at positions start..start+T-1; cache[i] = (k, v) [B, KV, start, Dh] or None.
+class _CachedDecoder(nn.Cell):
+    """tokens [B, T] at positions start..start+T-1 against a fixed-size KV cache.
 
-    Appends this step's keys/values to the cache and returns logits [B, T, V] fp32.
+    The cache is [L, B, KV, C, Dh] with C = max_seq_len, so every decode step has the same
+    shapes and compiles once; slot j holds the key/value of position j. Returns logits
+    [B, T, V] fp32 and the updated caches.
     """
-    b, t = tokens.shape
-    total = start + t
-    pos = Tensor(np.arange(start, total, dtype=np.int32)[None])  # [1, T]
-    cos, sin = rope_cos_sin(pos, model.inv_freq)
-    # query at position start+i sees keys 0..start+i (one document: no segments here)
-    allowed = np.arange(total)[None, :] <= (start + np.arange(t))[:, None]  # [T, total]
-    bias = Tensor(np.where(allowed, 0.0, -1e9).astype(np.float32)[None, None])  # [1, 1, T, total]
-    x = model.embed(Tensor(tokens.astype(np.int32)))
-    for i, layer in enumerate(model.layers):
-        attn = layer.attn
-        q, k, v = attn.qkv(layer.attn_norm(x), cos, sin)
-        if cache[i] is not None:
-            k = ops.concat((cache[i][0], k), 2)
-            v = ops.concat((cache[i][1], v), 2)
-        cache[i] = (k, v)
-        x = x + attn.out(attention(q, k, v, bias, attn.n_heads // attn.n_kv_heads))
-        x = x + layer.mlp(layer.mlp_norm(x))
-    return model.head(model.norm(x))
+
+    def __init__(self, model: Llama):
+        super().__init__(auto_prefix=False)
+        self.model = model
+        self.slots = Tensor(np.arange(model.config.max_seq_len, dtype=np.int32))  # [C]
+
+    def construct(self, tokens, start, k_cache, v_cache):
+        m = self.model
+        t = tokens.shape[1]
+        pos = m.positions[:, :t] + start  # [1, T]
+        cos, sin = rope_cos_sin(pos, m.inv_freq)
+        # query at position p sees slots 0..p (one document: no segments here)
+        allowed = self.slots.expand_dims(0) <= pos.reshape(t, 1)  # [T, C]
+        bias = ops.select(
+            allowed,
+            ops.zeros(allowed.shape, ms.float32),
+            ops.full(allowed.shape, -1e9, dtype=ms.float32),
+        )
+        bias = bias.reshape(1, 1, t, -1)  # [1, 1, T, C]
+        write = (self.slots.expand_dims(0) == pos.reshape(t, 1)).astype(
+            m.compute_dtype
+        )  # [T, C] one-hot
+        keep = 1 - write.sum(0).reshape(-1, 1)  # [C, 1]: slots not written this step
+        scatter = write.transpose(1, 0)  # [C, T]
+        x = m.embed(tokens)  # [B, T, D]
+        new_k, new_v = [], []
+        i = 0
+        for layer in m.layers:
+            attn = layer.attn
+            q, k, v = attn.qkv(layer.attn_norm(x), cos, sin)  # k, v [B, KV, T, Dh]
+            # cache[..., slot, :] = k at written slots (one-hot matmul: exact), else kept
+            kc = k_cache[i] * keep + ops.matmul(scatter, k)  # [B, KV, C, Dh]
+            vc = v_cache[i] * keep + ops.matmul(scatter, v)
+            new_k.append(kc)
+            new_v.append(vc)
+            x = x + attn.out(attention(q, kc, vc, bias, attn.n_heads // attn.n_kv_heads))
+            x = x + layer.mlp(layer.mlp_norm(x))
+            i += 1
+        return m.head(m.norm(x)), ops.stack(new_k), ops.stack(new_v)
+
+
+_decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decoder(model: Llama) -> _CachedDecoder:
+    # kept outside the model so the decoder never shows up among its cells or parameters
+    if model not in _decoders:
+        _decoders[model] = _CachedDecoder(model)
+    return _decoders[model]
+
+
+def _empty_cache(model: Llama, batch: int):
+    attn = model.layers[0].attn
+    shape = (len(model.layers), batch, attn.n_kv_heads, model.config.max_seq_len, attn.head_dim)
+    z = Tensor(np.zeros(shape, np.float32)).astype(model.compute_dtype)
+    return z, z
 
 
 def sample_next(
@@ -97,24 +142,30 @@ def generate(
     rng = np.random.default_rng(seed)
     ctx = model.config.max_seq_len
     mode, training = ms.get_context("mode"), model.training
-    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_context(mode=ms.GRAPH_MODE)
     model.set_train(False)
     try:
         done = np.zeros(ids.shape[0], bool)
-        cache, cached_len = None, 0
+        cached_len = None  # tokens in the cache; None = no cache yet
+        dec = _decoder(model) if use_cache else None
         for _ in range(max_new_tokens):
             if use_cache:
-                if cache is None or cached_len >= ctx:
-                    keep = ids[:, -(ctx // 2 if cache is not None else ctx) :]
-                    cache = [None] * len(model.layers)
-                    logits = _cached_forward(model, keep, 0, cache)
+                if cached_len is None or cached_len >= ctx:
+                    keep = ids[:, -(ctx // 2 if cached_len is not None else ctx) :]
+                    kc, vc = _empty_cache(model, ids.shape[0])
+                    logits, kc, vc = dec(Tensor(keep), Tensor(0, ms.int32), kc, vc)
                     cached_len = keep.shape[1]
                 else:
-                    logits = _cached_forward(model, ids[:, -1:], cached_len, cache)
+                    logits, kc, vc = dec(Tensor(ids[:, -1:]), Tensor(cached_len, ms.int32), kc, vc)
                     cached_len += 1
+                last = logits[:, -1].asnumpy()
             else:
-                logits = model(Tensor(ids[:, -ctx:]))
-            nxt = sample_next(logits[:, -1].asnumpy(), rng, temperature, top_k, top_p)
+                window = ids[:, -ctx:]
+                n = window.shape[1]
+                padded = np.zeros((ids.shape[0], ctx), np.int32)
+                padded[:, :n] = window
+                last = model(Tensor(padded))[:, n - 1].asnumpy()
+            nxt = sample_next(last, rng, temperature, top_k, top_p)
             if eos_id is not None:
                 nxt = np.where(done, eos_id, nxt)
                 done |= nxt == eos_id
