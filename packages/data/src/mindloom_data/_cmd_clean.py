@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mindloom_data._executors import ExecutorError, add_executor_args
 from mindloom_data._normalize import MissingExtraError
 from mindloom_data._pipeline import CleanError, clean
 
@@ -23,6 +24,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", "-o", required=True, metavar="OUT")
     p.add_argument("--config", "-c", metavar="YAML", help="run config (see the README)")
     p.add_argument("--workers", "-j", type=int, default=1, help="processes (default 1)")
+    add_executor_args(p, "ranks of the hash-partitioned dedup stages (default: config partitions)")
     p.add_argument("--text-key", default=None, help="JSON / Parquet field with the text")
     p.add_argument(
         "--max-bad-fraction",
@@ -54,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             text_key=args.text_key,
             progress=None if not args.quiet else False,
+            executor=args.executor,
+            ray_address=args.ray_address,
+            tasks=args.tasks,
         )
-    except (CleanError, MissingExtraError, ValueError) as exc:
+    except (CleanError, MissingExtraError, ValueError, ExecutorError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -40,6 +40,9 @@ def add_parser(subparsers) -> None:
         "--chunk-chars", type=int, default=1 << 20, help="encode longer documents in chunks"
     )
     p.add_argument("--force", action="store_true", help="redo even if a completion marker matches")
+    from mindloom_data._executors import add_executor_args
+
+    add_executor_args(p, "ranks, each a slice of the input files, merged at the end")
     p.set_defaults(func=run_tokenize)
 
     p = subparsers.add_parser("inspect", help="validate and summarize PREFIX.bin/.idx")
@@ -71,6 +74,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         return _error(f"--workers must be >= 1, got {args.workers}")
+    if args.executor is not None or args.tasks is not None:
+        return _run_ranked(args)
     try:
         stats = tokenize(
             args.input,
@@ -101,6 +106,35 @@ def run_tokenize(args: argparse.Namespace) -> int:
     )
     if bad:
         print("bad records: " + json.dumps(dict(stats.read.counts), sort_keys=True))
+    return 0
+
+
+def _run_ranked(args: argparse.Namespace) -> int:
+    from mindloom_data._executors import ExecutorError
+    from mindloom_data._ranked_tokenize import tokenize_ranks
+    from mindloom_data._readers import NoInputError
+
+    try:
+        r = tokenize_ranks(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            executor=args.executor,
+            workers=args.workers,
+            ray_address=args.ray_address,
+            tasks=args.tasks,
+            append_eos=not args.no_eos,
+            text_key=args.text_key,
+            txt_mode=args.txt_mode,
+            chunk_chars=args.chunk_chars,
+        )
+    except (NoInputError, ExecutorError, *_errors()) as exc:
+        return _error(exc)
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {r['documents']} documents, {r['tokens']} tokens "
+        f"({r['dtype']}) from {r['ranks']} ranks ({args.executor or 'local'} executor); "
+        f"empty {r['empty_documents']}, bad records {sum(r['read']['bad'].values())}"
+    )
     return 0
 
 

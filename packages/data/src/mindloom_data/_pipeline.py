@@ -27,9 +27,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
-from multiprocessing import get_context
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +44,7 @@ from mindloom_data._dedup import (
     split_key,
     write_partitioned,
 )
+from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._filters import TextInfo, build_filters
 from mindloom_data._minhash import MinHasher
 from mindloom_data._normalize import Normalizer
@@ -464,13 +463,8 @@ def run_rank(run: Run, stage: str, rank: int) -> None:
         return
     fn = {name: f for name, _, f in _stage_fns(run)}[stage]
     result = fn(run, rank)
+    check_fault(run.work, stage, rank)
     atomic_write_json(marker, result or {})
-
-
-def _run_rank_entry(args):
-    run, stage, rank = args
-    run_rank(run, stage, rank)
-    return stage, rank
 
 
 class _Progress:
@@ -509,14 +503,24 @@ def clean(
     workers: int = 1,
     text_key: str | None = None,
     progress: bool | None = None,
+    executor: Executor | str | None = None,
+    ray_address: str | None = None,
+    tasks: int | None = None,
 ) -> dict:
     """Clean and deduplicate `inputs` into `output`; returns the report (also in report.json).
 
     Resumable: rerunning with the same inputs and config skips finished ranks.
+    `executor` runs the ranks (`"local"` with `workers` processes, the default, or `"ray"`,
+    see `_executors`); `tasks` sets the ranks of the hash-partitioned stages (config
+    `partitions`). Neither changes the output.
     """
     cfg = load_config(config)
     if text_key is not None:
         cfg["text_key"] = text_key
+    if tasks is not None:
+        if tasks < 1:
+            raise CleanError(f"tasks must be at least 1, got {tasks}")
+        cfg["partitions"] = tasks
     try:
         files = resolve_inputs(inputs)
     except ValueError as exc:
@@ -544,26 +548,21 @@ def clean(
     show = sys.stderr.isatty() if progress is None else progress
     prog = _Progress(show)
     t0 = time.perf_counter()
-    pool = None
+    ex = make_executor(executor, workers=workers, ray_address=ray_address)
+    payload = json.dumps(asdict(run))
     try:
-        if workers > 1:
-            ctx = get_context("fork") if sys.platform.startswith("linux") else get_context("spawn")
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
         for stage, ranks, _ in _stage_fns(run):
-            todo = [(run, stage, r) for r in range(ranks)]
             done = 0
-            if pool is None:
-                for item in todo:
-                    _run_rank_entry(item)
-                    done += 1
-                    prog.update(stage, done, ranks)
-            else:
-                for _ in pool.map(_run_rank_entry, todo):
-                    done += 1
-                    prog.update(stage, done, ranks)
+
+            def on_done(_rank, stage=stage, ranks=ranks):
+                nonlocal done
+                done += 1
+                prog.update(stage, done, ranks)
+
+            ex.map_ranks("clean", payload, stage, ranks, on_done)
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+        if ex is not executor:
+            ex.close()
     report = build_report(run)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     atomic_write_json(out / "report.json", report)

@@ -1,0 +1,330 @@
+"""Executors: run the ranks of a stage here (processes) or on a Ray cluster (tasks).
+
+A job (`clean`, `tokenize`) is a list of stages, each a number of independent ranks. A
+rank is named by `(kind, payload, stage, rank)`: `payload` is the job's plain data as a
+JSON string (never a pickled object), so the same rank runs the same code whatever runs
+it. A rank writes its outputs atomically and then its completion marker, so a retried or
+rerun rank skips finished work or rewrites the same bytes.
+
+- `LocalExecutor(workers)`: the reference. One worker runs ranks in this process, in
+  order; more workers run them in a pool of forked processes.
+- `RayExecutor(address)`: one Ray Core task per rank, with retries and CPU/memory hints.
+  It joins the cluster at `address` (`"auto"`, `"ray://..."` or `"HOST:PORT"`), joins the
+  one this process is already connected to, or starts a local one. Every node must see
+  the input and output paths (a shared filesystem) and have `mindloom-data` installed.
+
+A failed rank is retried `max_retries` times; if it still fails, the run stops with one
+line naming the stage, the rank and its input files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+from pathlib import Path
+
+FAULT_ENV = "MINDLOOM_DATA_FAULT"
+RAY_HINT = "pip install 'mindloom-data[ray]'"
+
+
+class ExecutorError(RuntimeError):
+    """A rank failed for good, or an executor cannot start (one line)."""
+
+
+# --- ranks ------------------------------------------------------------------------------
+
+
+def _clean_job(payload: dict):
+    from mindloom_data._pipeline import Run, run_rank
+
+    run = Run(**payload)
+    return run, run_rank
+
+
+def _tokenize_job(payload: dict):
+    from mindloom_data._ranked_tokenize import TokenizeRun, run_rank
+
+    run = TokenizeRun(**payload)
+    return run, run_rank
+
+
+_JOBS: dict[str, Callable] = {"clean": _clean_job, "tokenize": _tokenize_job}
+
+
+def rank_inputs(kind: str, payload: str, stage: str, rank: int) -> list[str]:
+    """What a rank reads, for error messages."""
+    run, _ = _JOBS[kind](json.loads(payload))
+    if kind == "tokenize":
+        return run.slice(rank) if stage == "tokenize" else [run.work]
+    work = run.work
+    if stage in ("scan", "write"):
+        return [run.files[rank]]
+    if stage == "cluster":
+        return [f"{work}/pairs/"]
+    kind_dir = {"exact": "exact", "lsh": "lsh", "paragraph": "para"}.get(stage, stage)
+    return [f"{work}/exch/{kind_dir}/p{rank:04d}/"]
+
+
+_fault: str | None = None  # the spec of the rank being executed in this process
+
+
+def check_fault(work: str | os.PathLike, stage: str, rank: int) -> None:
+    """Test-only fault injection between a rank's outputs and its completion marker.
+
+    `MINDLOOM_DATA_FAULT=STAGE:RANK:once` fails that rank the first time (leaving a marker
+    file under WORK/faults/), `STAGE:RANK:always` every time. The driver's value travels
+    with each rank, so Ray workers on other nodes see it too.
+    """
+    spec = _fault if _fault is not None else os.environ.get(FAULT_ENV, "")
+    for item in filter(None, spec.split(",")):
+        s, r, mode = (item.split(":") + ["once"])[:3]
+        if s != stage or int(r) != rank:
+            continue
+        if mode == "once":
+            marker = Path(work) / "faults" / f"{stage}-{rank}"
+            if marker.exists():
+                return
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_bytes(b"")
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={item})")
+
+
+def execute_rank(kind: str, payload: str, stage: str, rank: int, fault: str = "") -> int:
+    """Run one rank unless its completion marker exists; the entry point of every executor."""
+    global _fault
+    run, run_rank = _JOBS[kind](json.loads(payload))
+    _fault = fault
+    try:
+        run_rank(run, stage, rank)
+    finally:
+        _fault = None
+    return rank
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _failed(kind, payload, stage, rank, attempts, exc_text) -> ExecutorError:
+    inputs = ", ".join(rank_inputs(kind, payload, stage, rank))
+    return ExecutorError(
+        f"{kind} stage {stage} rank {rank} failed after {attempts} attempts "
+        f"(inputs: {inputs}): {_one_line(exc_text)}"
+    )
+
+
+# --- executors --------------------------------------------------------------------------
+
+
+class Executor:
+    """Runs every rank of a stage; `on_done(rank)` is called as each one completes."""
+
+    name = "base"
+
+    def map_ranks(
+        self, kind: str, payload: str, stage: str, ranks: int, on_done: Callable[[int], None]
+    ) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalExecutor(Executor):
+    """Ranks in this process (`workers=1`) or in a pool of forked processes."""
+
+    name = "local"
+
+    def __init__(self, workers: int = 1, max_retries: int = 2):
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
+        self.workers = workers
+        self.max_retries = max_retries
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = get_context("fork") if os.name == "posix" else get_context("spawn")
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+        return self._pool
+
+    def map_ranks(self, kind, payload, stage, ranks, on_done) -> None:
+        fault = os.environ.get(FAULT_ENV, "")
+        attempts = self.max_retries + 1
+        if self.workers == 1:
+            for rank in range(ranks):
+                for attempt in range(1, attempts + 1):
+                    try:
+                        execute_rank(kind, payload, stage, rank, fault)
+                        break
+                    except Exception as exc:
+                        if attempt == attempts:
+                            raise _failed(kind, payload, stage, rank, attempts, exc) from exc
+                on_done(rank)
+            return
+        pool = self._get_pool()
+        tries = dict.fromkeys(range(ranks), 1)
+        futures = {pool.submit(execute_rank, kind, payload, stage, r, fault): r for r in tries}
+        try:
+            while futures:
+                finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    rank = futures.pop(fut)
+                    exc = fut.exception()
+                    if exc is None:
+                        on_done(rank)
+                    elif tries[rank] < attempts:
+                        tries[rank] += 1
+                        futures[pool.submit(execute_rank, kind, payload, stage, rank, fault)] = rank
+                    else:
+                        raise _failed(kind, payload, stage, rank, attempts, exc) from exc
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError(f"the ray executor needs Ray: {RAY_HINT}") from None
+    return ray
+
+
+class RayExecutor(Executor):
+    """One Ray Core task per rank.
+
+    `address`: a running cluster (`"auto"`, `"HOST:PORT"`, `"ray://HOST:10001"`); None
+    joins the cluster this process is already connected to, or starts a local one with
+    `num_cpus` CPUs. `cpus_per_task`/`memory_per_task` (bytes) are scheduling hints;
+    `max_retries` covers both raised exceptions and lost workers or nodes.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        num_cpus: int | None = None,
+        cpus_per_task: float = 1,
+        memory_per_task: int | None = None,
+        max_retries: int = 2,
+    ):
+        self.ray = _import_ray()
+        self.address = address
+        self.num_cpus = num_cpus
+        self.cpus_per_task = cpus_per_task
+        self.memory_per_task = memory_per_task
+        self.max_retries = max_retries
+        self._started = False
+        self._remote = None
+
+    def _connect(self):
+        ray = self.ray
+        if not ray.is_initialized():
+            kwargs = {"include_dashboard": False, "log_to_driver": False}
+            if self.address is None:
+                kwargs["num_cpus"] = self.num_cpus
+            try:
+                ray.init(address=self.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                where = self.address or "a local cluster"
+                raise ExecutorError(
+                    f"cannot start or join Ray at {where}: {_one_line(exc)}"
+                ) from None
+            self._started = True
+        if self._remote is None:
+            opts = {
+                "num_cpus": self.cpus_per_task,
+                "max_retries": self.max_retries,
+                "retry_exceptions": True,
+            }
+            if self.memory_per_task:
+                opts["memory"] = self.memory_per_task
+            self._remote = ray.remote(**opts)(execute_rank)
+        return self._remote
+
+    def map_ranks(self, kind, payload, stage, ranks, on_done) -> None:
+        ray = self.ray
+        remote = self._connect()
+        fault = os.environ.get(FAULT_ENV, "")
+        payload_ref = ray.put(payload)
+        refs = {
+            remote.options(name=f"{kind}:{stage}:{r}").remote(kind, payload_ref, stage, r, fault): r
+            for r in range(ranks)
+        }
+        try:
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1)
+                for ref in ready:
+                    rank = refs.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError as exc:
+                        cause = getattr(exc, "cause", None)
+                        text = f"{type(cause).__name__}: {cause}" if cause else str(exc)
+                        raise _failed(
+                            kind, payload, stage, rank, self.max_retries + 1, text
+                        ) from None
+                    on_done(rank)
+        except BaseException:
+            for ref in refs:
+                ray.cancel(ref)
+            raise
+
+    def close(self) -> None:
+        if self._started:
+            self.ray.shutdown()
+            self._started = False
+        self._remote = None
+
+
+def make_executor(
+    executor: Executor | str | None = None,
+    *,
+    workers: int = 1,
+    ray_address: str | None = None,
+) -> Executor:
+    """An executor from a name (`local`, `ray`) or the instance itself."""
+    if isinstance(executor, Executor):
+        return executor
+    if executor in (None, "local"):
+        return LocalExecutor(workers)
+    if executor == "ray":
+        return RayExecutor(
+            ray_address, num_cpus=workers if workers > 1 and not ray_address else None
+        )
+    raise ExecutorError(f"unknown executor {executor!r} (known: local, ray)")
+
+
+def add_executor_args(parser, tasks_help: str) -> None:
+    """`--executor`, `--ray-address`, `--tasks` for a subcommand."""
+    parser.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default=None,
+        help=f"run ranks in local processes (default) or as Ray tasks ({RAY_HINT})",
+    )
+    parser.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help="Ray cluster to join (auto, HOST:PORT, ray://HOST:10001); default: start one here",
+    )
+    parser.add_argument("--tasks", type=int, default=None, metavar="N", help=tasks_help)

@@ -1,0 +1,141 @@
+"""Tokenization as ranks: one `.bin/.idx` per slice of the input files, then one merge.
+
+Rank `r` of `tasks` tokenizes the r-th contiguous slice of the sorted input files with
+`_tokenize.tokenize` (one process) into `PREFIX.work/rank-r.bin/.idx` and leaves
+`PREFIX.work/done/tokenize/r.json`. The merge (`IndexedDatasetBuilder.add_index`, in
+rank order) then writes `PREFIX.bin/.idx`: the documents in input order, so the bytes
+equal a single-process `tokenize` of all inputs, whatever the executor or `tasks`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mindloom_data._executors import Executor, check_fault, make_executor
+from mindloom_data._readers import ReadStats, resolve_inputs
+from mindloom_data._tokenize import DEFAULT_CHUNK_CHARS
+from mindloom_data._writers import atomic_write_json
+
+
+@dataclass
+class TokenizeRun:
+    """Everything a rank needs; plain data so it can travel to another process."""
+
+    files: list[str]
+    tokenizer: str
+    output_prefix: str
+    work: str
+    tasks: int
+    settings: dict
+
+    def slice(self, rank: int) -> list[str]:
+        n, k = len(self.files), self.tasks
+        return self.files[rank * n // k : (rank + 1) * n // k]
+
+    def prefix(self, rank: int) -> str:
+        return os.path.join(self.work, f"rank-{rank:05d}")
+
+
+def run_rank(run: TokenizeRun, stage: str, rank: int) -> None:
+    from mindloom_data._tokenize import tokenize
+
+    marker = Path(run.work) / "done" / stage / f"{rank:05d}.json"
+    if marker.exists():
+        return
+    if stage != "tokenize":
+        raise ValueError(f"unknown tokenize stage {stage}")
+    stats = tokenize(run.slice(rank), run.tokenizer, run.prefix(rank), force=True, **run.settings)
+    check_fault(run.work, stage, rank)
+    atomic_write_json(marker, stats.to_dict())
+
+
+def tokenize_ranks(
+    inputs,
+    tokenizer_path: str | os.PathLike,
+    output_prefix: str | os.PathLike,
+    *,
+    executor: Executor | str | None = None,
+    workers: int = 1,
+    ray_address: str | None = None,
+    tasks: int | None = None,
+    append_eos: bool = True,
+    text_key: str = "text",
+    txt_mode: str = "paragraph",
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
+    keep_work: bool = False,
+    progress=None,
+) -> dict:
+    """Tokenize `inputs` as `tasks` ranks (default: one per input file) and merge them.
+
+    Returns the counts summed over ranks. Resumable: finished ranks are skipped, and a
+    completed run with the same inputs and settings is not redone.
+    """
+    from mindloom_data._indexed import merge_datasets
+
+    files = [os.path.abspath(f) for f in resolve_inputs(inputs)]
+    tasks = len(files) if tasks is None else tasks
+    if tasks < 1:
+        raise ValueError(f"tasks must be at least 1, got {tasks}")
+    tasks = min(tasks, len(files))
+    output_prefix = os.fspath(output_prefix)
+    settings = {
+        "append_eos": append_eos,
+        "text_key": text_key,
+        "txt_mode": txt_mode,
+        "chunk_chars": chunk_chars,
+    }
+    work = output_prefix + ".work"
+    run = TokenizeRun(files, os.path.abspath(tokenizer_path), output_prefix, work, tasks, settings)
+    ident = asdict(run)
+    ident_path = Path(work) / "run.json"
+    merged = Path(work) / "done" / "merge.json"
+    if ident_path.exists():
+        try:
+            same = json.loads(ident_path.read_text(encoding="utf-8")) == ident
+        except ValueError:
+            same = False
+        if same and merged.exists() and os.path.exists(output_prefix + ".idx"):
+            return json.loads(merged.read_text(encoding="utf-8"))
+        if not same or merged.exists():
+            shutil.rmtree(work)  # another run's ranks, or ones already merged and removed
+    atomic_write_json(ident_path, ident)
+
+    t0 = time.perf_counter()
+    ex = make_executor(executor, workers=workers, ray_address=ray_address)
+    done = 0
+
+    def on_done(_rank: int) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress("tokenize", done, tasks)
+
+    try:
+        ex.map_ranks("tokenize", json.dumps(ident), "tokenize", tasks, on_done)
+    finally:
+        if ex is not executor:
+            ex.close()
+    ds = merge_datasets([run.prefix(r) for r in range(tasks)], output_prefix)
+
+    read = ReadStats()
+    report = {"documents": 0, "empty_documents": 0, "chunked_documents": 0, "tokens": 0}
+    report["text_bytes"] = 0
+    for r in range(tasks):
+        s = json.loads((Path(work) / "done" / "tokenize" / f"{r:05d}.json").read_text())
+        for k in list(report):
+            report[k] += s[k]
+        read.merge(ReadStats.from_dict(s["read"]))
+    report.update(
+        dtype=str(ds.dtype), ranks=tasks, read=read.to_dict(), seconds=time.perf_counter() - t0
+    )
+    for r in range(tasks):
+        for ext in (".bin", ".idx", ".done.json"):
+            if not keep_work and os.path.exists(run.prefix(r) + ext):
+                os.unlink(run.prefix(r) + ext)
+    atomic_write_json(merged, report)
+    return report
