@@ -1,0 +1,268 @@
+"""nanoGPT's CPU recipe: mindloom (MindSpore, compiled step) against nanoGPT in PyTorch.
+
+    ./dev bench benchmarks/nanogpt.py                 # the full recipe, 2000 iterations each
+    ./dev bench benchmarks/nanogpt.py --iters 300     # a shorter comparison
+
+Both runs: character-level tiny Shakespeare split 90/10 by characters, 4 layers, 4 heads,
+128 wide, block 64, batch 12, AdamW (0.9, 0.99), weight decay 0.1 on matrices, clip 1.0,
+dropout 0, lr 1e-3 -> 1e-4 cosine with 100 warmup steps, evaluation of 20 held-out batches
+every 250 steps, the same number of threads, in this one process. The PyTorch side is a
+faithful re-implementation of karpathy/nanoGPT's model.py (GPT-2 block, tied embeddings,
+no biases) and train.py loop (random windows, `get_lr`, `estimate_loss`), eager mode as
+nanoGPT's CPU instructions say (`--compile=False`). Differences, on purpose: the PyTorch
+side evaluates only the held-out split (nanoGPT also re-estimates the train loss; that
+would only slow it down) and saves no checkpoints; mindloom writes its two checkpoints.
+
+Prints wall time, steady-state tokens/s and final held-out loss of each, and the ratio.
+"""
+
+from __future__ import annotations
+
+import sys
+
+# benchmarks/tokenize.py would shadow the standard library's tokenize module
+sys.path[:] = [p for p in sys.path if not p or not p.endswith("benchmarks")]
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "configs" / "nanogpt-shakespeare-char.yaml"
+
+
+# ---------------------------------------------------------------------------------------
+# nanoGPT (PyTorch), after karpathy/nanoGPT model.py and train.py
+
+
+def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    from torch.nn import functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    n = len(text)
+    data = np.array([stoi[c] for c in text], dtype=np.uint16)
+    train_data, val_data = data[: int(n * 0.9)], data[int(n * 0.9) :]
+    vocab, block, batch = len(chars), 64, 12
+    n_layer, n_head, n_embd = 4, 4, 128
+
+    class LayerNorm(nn.Module):
+        def __init__(self, ndim):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(ndim))
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+    class CausalSelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
+            self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
+
+        def forward(self, x):
+            B, T, C = x.size()
+            q, k, v = self.c_attn(x).split(n_embd, dim=2)
+            k = k.view(B, T, n_head, C // n_head).transpose(1, 2)
+            q = q.view(B, T, n_head, C // n_head).transpose(1, 2)
+            v = v.view(B, T, n_head, C // n_head).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            y = y.transpose(1, 2).contiguous().view(B, T, C)
+            return self.c_proj(y)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+            self.gelu = nn.GELU()
+            self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+        def forward(self, x):
+            return self.c_proj(self.gelu(self.c_fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.attn = LayerNorm(n_embd), CausalSelfAttention()
+            self.ln_2, self.mlp = LayerNorm(n_embd), MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = nn.ModuleDict(
+                dict(
+                    wte=nn.Embedding(vocab, n_embd),
+                    wpe=nn.Embedding(block, n_embd),
+                    h=nn.ModuleList([Block() for _ in range(n_layer)]),
+                    ln_f=LayerNorm(n_embd),
+                )
+            )
+            self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying
+            self.apply(self._init_weights)
+            for pn, p in self.named_parameters():
+                if pn.endswith("c_proj.weight"):
+                    torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+        def _init_weights(self, module):
+            if isinstance(module, nn.Linear | nn.Embedding):
+                torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+        def forward(self, idx, targets):
+            t = idx.size(1)
+            pos = torch.arange(0, t, dtype=torch.long)
+            x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+            for blk in self.transformer.h:
+                x = blk(x)
+            logits = self.lm_head(self.transformer.ln_f(x))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    model = GPT()
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    nodecay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        fused=False,
+    )
+
+    def get_batch(split):
+        d = train_data if split == "train" else val_data
+        ix = torch.randint(len(d) - block, (batch,))
+        x = torch.stack([torch.from_numpy(d[i : i + block].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(d[i + 1 : i + 1 + block].astype(np.int64)) for i in ix])
+        return x, y
+
+    def get_lr(it):
+        if it < 100:
+            return 1e-3 * (it + 1) / (100 + 1)
+        if it > iters:
+            return 1e-4
+        ratio = (it - 100) / (iters - 100)
+        return 1e-4 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1e-3 - 1e-4)
+
+    @torch.no_grad()
+    def val_loss():
+        model.eval()
+        losses = [model(*get_batch("val")).item() for _ in range(20)]
+        model.train()
+        return float(np.mean(losses))
+
+    step_times = []
+    t_start = time.perf_counter()
+    last_val = None
+    for it in range(iters):
+        if it % 250 == 0 and it > 0:
+            last_val = val_loss()
+        for g in opt.param_groups:
+            g["lr"] = get_lr(it)
+        t0 = time.perf_counter()
+        x, y = get_batch("train")
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - t0)
+    last_val = val_loss()
+    wall = time.perf_counter() - t_start
+    tokens = batch * block
+    return {
+        "wall_s": wall,
+        "tokens_per_s": tokens / statistics.median(step_times[10:] or step_times),
+        "val_loss": last_val,
+        "iters": iters,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# mindloom
+
+
+def run_mindloom(iters: int, threads: int, work: Path) -> dict:
+    import json
+
+    from mindloom_train._config import load_config
+    from mindloom_train._trainer import Trainer
+
+    overrides = [
+        f"training.train_iters={iters}",
+        f"lr_scheduler.decay_iters={iters}",
+        f"run_dir={work / 'mindloom'}",
+        f"context.num_threads={threads}",
+        "monitor.progress_bar=false",
+        "monitor.log_interval=25",
+    ]
+    cfg = load_config(RECIPE, overrides)
+    # tokenizer and data once, outside the timed part (nanoGPT's prepare.py is not timed)
+    from mindloom_train import _data
+
+    _data.prepare_tokenizer(cfg, lambda m: None)
+    tok = _data.tokenizer_dir(cfg)
+    _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok, lambda m: None)
+    _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", tok, lambda m: None)
+    trainer = Trainer(cfg, console=open(os.devnull, "w"))  # noqa: SIM115
+    t0 = time.perf_counter()
+    code = trainer.run()
+    wall = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"error: the mindloom run failed (exit {code}); see {cfg.run_dir}/train.log")
+    recs = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    step_times = [r["step_time_s"] for r in recs if "event" not in r][1:]  # first window compiles
+    tokens = cfg.training.global_batch_size * cfg.train_dataset.seq_length
+    return {
+        "wall_s": wall,
+        "tokens_per_s": tokens / statistics.median(step_times),
+        "val_loss": trainer.last_eval[0],
+        "iters": iters,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", choices=["mindloom", "nanogpt"], default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("GLOG_v", "3")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from mindloom_data import bundled_corpus
+
+    text = bundled_corpus().read_text(encoding="utf-8")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="nanogpt-bench-") as tmp:
+        if args.only in (None, "nanogpt"):
+            print(f"running nanoGPT (PyTorch eager, {args.threads} threads, {args.iters} iters) ...", flush=True)
+            results["nanoGPT (PyTorch)"] = run_nanogpt(text, args.iters, args.threads)
+        if args.only in (None, "mindloom"):
+            print(f"running mindloom (MindSpore graph mode, {args.threads} threads, {args.iters} iters) ...", flush=True)
+            results["mindloom (MindSpore)"] = run_mindloom(args.iters, args.threads, Path(tmp))
+    print()
+    print(f"{'run':24s} {'wall s':>8s} {'tokens/s':>10s} {'held-out loss':>14s}")
+    for name, r in results.items():
+        print(f"{name:24s} {r['wall_s']:8.1f} {r['tokens_per_s']:10.0f} {r['val_loss']:14.4f}")
+    if len(results) == 2:
+        m, t = results["mindloom (MindSpore)"], results["nanoGPT (PyTorch)"]
+        print(f"\nmindloom / nanoGPT: tokens/s x{m['tokens_per_s'] / t['tokens_per_s']:.2f}, "
+              f"wall time x{t['wall_s'] / m['wall_s']:.2f} faster")  # fmt: skip
+    print("(machine: shared 2-core CPU; figures are noisy, see the README)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
