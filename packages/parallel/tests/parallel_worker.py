@@ -28,6 +28,7 @@ ADAM_LR = 3e-3
 LAYOUTS = {
     "dp2": (dict(dp=2, micro_batch_num=2, zero_stage=1), "adamw", {}),
     "dp2_sgd": (dict(dp=2), "sgd", {}),
+    "dp2_compiled": (dict(dp=2), "sgd", {}),
     "tp2": (dict(tp=2), "sgd", {}),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), "sgd", {}),
     "pp2": (dict(pp=2, micro_batch_num=4), "sgd", {}),
@@ -65,7 +66,9 @@ def optimizer(params, kind, dp_group, zero_stage):
 
     if kind == "sgd":
         return ShardedOptimizer(params, dp_group, zero_stage, kind="sgd", lr=SGD_LR)
-    return ShardedOptimizer(params, dp_group, zero_stage, kind="adamw", lr=ADAM_LR, weight_decay=0.1)
+    return ShardedOptimizer(
+        params, dp_group, zero_stage, kind="adamw", lr=ADAM_LR, weight_decay=0.1
+    )
 
 
 def reference(out: Path, kind: str, overrides: dict) -> dict:
@@ -85,15 +88,92 @@ def reference(out: Path, kind: str, overrides: dict) -> dict:
     losses = []
     for b in batches(cfg.vocab_size):
         t = {k: ms.Tensor(v) for k, v in b.items()}
-        loss, grads = grad_fn(t["tokens"], t["labels"], t["position_ids"], t["segment_ids"], t["loss_mask"])
+        loss, grads = grad_fn(
+            t["tokens"], t["labels"], t["position_ids"], t["segment_ids"], t["loss_mask"]
+        )
         losses.append(float(loss.asnumpy()))
         opt.step(grads)
-    np.savez(out / f"reference_{kind}{_tag(overrides)}.npz", **{n: p.asnumpy() for n, p in zip(names, params)})
+    np.savez(
+        out / f"reference_{kind}{_tag(overrides)}.npz",
+        **{n: p.asnumpy() for n, p in zip(names, params)},
+    )
     return {"losses": losses}
 
 
 def _tag(overrides: dict) -> str:
     return "_tied" if overrides.get("tie_embeddings") else ""
+
+
+def Llama_state(cfg) -> dict:
+    """The seed-0 initial weights every run starts from (name -> numpy)."""
+    from mindloom_model._llama import Llama
+
+    return {n: p.asnumpy() for n, p in Llama(cfg).parameters_and_names()}
+
+
+def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
+    """dp2 with the forward, backward and bucketed GradReducer in ONE compiled graph."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import GradReducer, ParallelConfig, dp_slice, init_parallel
+    from mindspore import Tensor, nn, ops
+
+    cfg = get_preset("debug")
+    pcfg = ParallelConfig(dp=2)
+    groups = init_parallel(pcfg, cfg)
+    model = Llama(cfg)
+    params = model.trainable_params()
+    names = [n for n, _ in model.parameters_and_names()]
+
+    class Loss(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.model = model
+
+        def construct(self, tokens, labels, pos, seg, mask, denom):
+            logits = self.model(tokens, pos, seg)
+            logp = ops.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
+            nll = -ops.gather_elements(logp, 1, labels.reshape(-1, 1)).reshape(-1)
+            return (nll * mask.reshape(-1)).sum() / denom
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.loss = Loss()
+            self.weights = ms.ParameterTuple(params)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.reducer = GradReducer(params, groups.dp, bucket_size_mb=0.1)
+
+        @ms.jit
+        def construct(self, tokens, labels, pos, seg, mask, denom):
+            loss = self.loss(tokens, labels, pos, seg, mask, denom)
+            grads = self.grad(self.loss, self.weights)(tokens, labels, pos, seg, mask, denom)
+            return loss, self.reducer(grads)
+
+    step = Step()
+    assert len(step.reducer.buckets) > 1
+    opt = optimizer(params, "sgd", groups.dp, 0)
+    losses = []
+    for b in batches(cfg.vocab_size)[:steps]:
+        denom = Tensor(np.float32(b["loss_mask"].sum()))
+        loc = {k: Tensor(v) for k, v in dp_slice(b, groups.dp_rank, 2).items()}
+        loss, grads = step(
+            loc["tokens"],
+            loc["labels"],
+            loc["position_ids"],
+            loc["segment_ids"],
+            loc["loss_mask"],
+            denom,
+        )
+        from mindloom_parallel._comm import all_reduce
+
+        losses.append(float(all_reduce(loss.reshape((1,)), groups.dp).asnumpy()[0]))
+        opt.step(grads)
+    np.savez(
+        out / f"{name}_rank{groups.rank}.npz", **{n: p.asnumpy() for n, p in zip(names, params)}
+    )
+    return {"losses": losses, "grad_norms": [], "comm_share": [0.0] * steps, "rank": groups.rank}
 
 
 def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
@@ -109,8 +189,7 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     # built from another seed, then loaded from the full seed-0 weights: the path a
     # checkpoint from any layout takes into this one
     engine = ParallelEngine(Llama(cfg, seed=99), pcfg, groups, micro_batch_size=mbs)
-    full = {n: p.asnumpy() for n, p in Llama(cfg).parameters_and_names()}
-    engine.load_state(full)
+    engine.load_state(Llama_state(cfg))
     t0 = time.perf_counter()
     opt = optimizer(engine.params, kind, groups.dp, pcfg.zero_stage)
     losses, norms, shares = [], [], []
@@ -136,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="")
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--tied", action="store_true", help="also the tied-embedding reference")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank raises (launcher test)")
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK_ID", "0"))
@@ -149,11 +229,18 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if a.reference:
         res = {}
-        for kind, ov in (("sgd", {}), ("adamw", {}), ("sgd", {"tie_embeddings": True})):
+        kinds = [("sgd", {}), ("adamw", {})] + (
+            [("sgd", {"tie_embeddings": True})] if a.tied else []
+        )
+        for kind, ov in kinds:
             res[f"{kind}{_tag(ov)}"] = reference(out, kind, ov)
         (out / "reference.json").write_text(json.dumps(res))
         return 0
-    res = {name: run_layout(name, out, a.steps) for name in a.layouts.split(",") if name}
+    res = {
+        name: (run_compiled_dp if name == "dp2_compiled" else run_layout)(name, out, a.steps)
+        for name in a.layouts.split(",")
+        if name
+    }
     rank = next(iter(res.values()))["rank"] if res else rank
     tmp = out / f"result_rank{rank}.json.tmp"
     tmp.write_text(json.dumps(res))

@@ -26,9 +26,21 @@ DEBUG = get_preset("debug")  # 4 heads, 2 kv heads, 2 layers, vocab 256, ffn 128
     "pcfg, kwargs, message",
     [
         (ParallelConfig(dp=2, tp=2), dict(world_size=2), "world size 2 != dp*tp*pp = 2*2*1 = 4"),
-        (ParallelConfig(tp=3), dict(world_size=3), "model.num_heads = 4 is not divisible by parallelism.tp = 3"),
-        (ParallelConfig(tp=4), dict(world_size=4), "model.num_kv_heads = 2 is not divisible by parallelism.tp = 4"),
-        (ParallelConfig(pp=4), dict(world_size=4), "model.num_layers = 2 is not divisible by parallelism.pp = 4"),
+        (
+            ParallelConfig(tp=3),
+            dict(world_size=3),
+            "model.num_heads = 4 is not divisible by parallelism.tp = 3",
+        ),
+        (
+            ParallelConfig(tp=4),
+            dict(world_size=4),
+            "model.num_kv_heads = 2 is not divisible by parallelism.tp = 4",
+        ),
+        (
+            ParallelConfig(pp=4),
+            dict(world_size=4),
+            "model.num_layers = 2 is not divisible by parallelism.pp = 4",
+        ),
         (
             ParallelConfig(dp=2),
             dict(world_size=2, global_batch_size=6, micro_batch_size=4),
@@ -41,7 +53,11 @@ DEBUG = get_preset("debug")  # 4 heads, 2 kv heads, 2 layers, vocab 256, ffn 128
         ),
         (ParallelConfig(sequence_parallel=True), dict(), "needs tp > 1"),
         (ParallelConfig(zero_stage=3), dict(), "zero_stage = 3"),
-        (ParallelConfig(tp=2, sequence_parallel=True), dict(seq_length=33), "seq_length 33 is not divisible"),
+        (
+            ParallelConfig(tp=2, sequence_parallel=True),
+            dict(seq_length=33),
+            "seq_length 33 is not divisible",
+        ),
     ],
 )
 def test_validate_names_the_numbers_that_disagree(pcfg, kwargs, message):
@@ -52,7 +68,11 @@ def test_validate_names_the_numbers_that_disagree(pcfg, kwargs, message):
 
 
 def test_valid_layouts_pass_and_dict_configs_are_checked():
-    for p in (ParallelConfig(dp=2), ParallelConfig(tp=2, sequence_parallel=True), ParallelConfig(pp=2, micro_batch_num=4)):
+    for p in (
+        ParallelConfig(dp=2),
+        ParallelConfig(tp=2, sequence_parallel=True),
+        ParallelConfig(pp=2, micro_batch_num=4),
+    ):
         assert validate(p, DEBUG, world_size=p.world_size) is p
     assert ParallelConfig.from_dict({"dp": 2, "tp": 1}).dp == 2
     with pytest.raises(ParallelConfigError, match="parallelism.dpp: unknown key"):
@@ -100,13 +120,22 @@ def test_1f1b_pairs_every_exchange_and_never_deadlocks(stages, micro):
 
 def test_1f1b_schedule_shape_for_two_stages():
     assert one_f_one_b(1, 2, 2) == [
-        ("recv_fwd",), ("fwd", 0), ("bwd", 0), ("send_bwd_recv_fwd",), ("fwd", 1), ("bwd", 1), ("send_bwd",)
+        ("recv_fwd",),
+        ("fwd", 0),
+        ("bwd", 0),
+        ("send_bwd_recv_fwd",),
+        ("fwd", 1),
+        ("bwd", 1),
+        ("send_bwd",),
     ]
 
 
 def _full_state(cfg, seed=0):
     rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(s.global_shape).astype(np.float32) for n, s in tensor_layout(cfg, ParallelConfig()).items()}
+    return {
+        n: rng.standard_normal(s.global_shape).astype(np.float32)
+        for n, s in tensor_layout(cfg, ParallelConfig()).items()
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -132,7 +161,10 @@ def test_checkpoint_reshards_between_layouts(src, dst, tied):
         assert saved[1]["layers.0.mlp.w2.weight"].shape == (64, 64)
         assert np.array_equal(saved[1]["embed.weight"], full["embed.weight"][128:])
     if a.pp == 2:
-        assert "layers.1.attn.wq.weight" not in saved[0] and "layers.0.attn.wq.weight" not in saved[a.world_size - 1]
+        assert (
+            "layers.1.attn.wq.weight" not in saved[0]
+            and "layers.0.attn.wq.weight" not in saved[a.world_size - 1]
+        )
         assert ("embed.weight" in saved[a.world_size - 1]) == tied
     back = assemble_state(saved, cfg, a)
     assert back.keys() == full.keys()
@@ -150,7 +182,10 @@ def test_layout_metadata_is_json_and_describes_splits():
     meta = json.loads(json.dumps(layout_metadata(DEBUG, ParallelConfig(tp=2, pp=2))))
     t = meta["tensors"]
     assert t["layers.1.attn.wo.weight"] == {
-        "name": "layers.1.attn.wo.weight", "global_shape": [64, 64], "tp_axis": 1, "pp_stages": [1]
+        "name": "layers.1.attn.wo.weight",
+        "global_shape": [64, 64],
+        "tp_axis": 1,
+        "pp_stages": [1],
     }
     assert t["embed.weight"]["tp_axis"] == 0 and t["norm.weight"]["tp_axis"] is None
     assert meta["parallel"] == {"dp": 1, "tp": 2, "pp": 2}

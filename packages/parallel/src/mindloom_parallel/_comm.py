@@ -194,7 +194,9 @@ def _native_exchange(send, recv_shape, recv_dtype, pair: Group):  # pragma: no c
 
     def do_recv():
         key = ("r", pair.name, peer, tuple(recv_shape), str(recv_dtype))
-        op = _p2p_ops.setdefault(key, ops.Receive(0, peer, tuple(recv_shape), recv_dtype, group=pair.name))
+        op = _p2p_ops.setdefault(
+            key, ops.Receive(0, peer, tuple(recv_shape), recv_dtype, group=pair.name)
+        )
         return op()
 
     # the lower rank sends first and the upper receives first, so blocking p2p cannot deadlock

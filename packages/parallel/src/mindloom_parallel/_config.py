@@ -42,9 +42,7 @@ class ParallelConfig:
                 )
         for key in ("dp", "tp", "pp", "micro_batch_num", "zero_stage"):
             if key in d and (isinstance(d[key], bool) or not isinstance(d[key], int)):
-                raise ParallelConfigError(
-                    f"parallelism.{key}: expected an integer, got {d[key]!r}"
-                )
+                raise ParallelConfigError(f"parallelism.{key}: expected an integer, got {d[key]!r}")
         if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
             raise ParallelConfigError(
                 f"parallelism.sequence_parallel: expected true/false, got {d['sequence_parallel']!r}"
@@ -95,7 +93,12 @@ def validate(
             ("num_heads", n_heads, p.tp, "tp"),
             ("num_kv_heads", n_kv, p.tp, "tp"),
             ("vocab_size", _field(model_cfg, "vocab_size"), p.tp, "tp"),
-            ("ffn_hidden_size", _field(model_cfg, "ffn_hidden_size", "intermediate_size"), p.tp, "tp"),
+            (
+                "ffn_hidden_size",
+                _field(model_cfg, "ffn_hidden_size", "intermediate_size"),
+                p.tp,
+                "tp",
+            ),
             ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
         ]
         for key, value, by, axis in checks:
@@ -110,7 +113,11 @@ def validate(
                 f"global batch {global_batch_size} is not divisible by dp*micro_batch_size = "
                 f"{p.dp}*{mbs} = {p.dp * mbs}"
             )
-        if global_batch_size != p.dp * mbs * p.micro_batch_num:
+        # micro_batch_num = 1 leaves gradient accumulation to the trainer
+        # (global / (dp * micro batch) steps); a pipeline needs the count to match exactly
+        if (
+            p.micro_batch_num > 1 or p.pp > 1
+        ) and global_batch_size != p.dp * mbs * p.micro_batch_num:
             raise ParallelConfigError(
                 f"global batch {global_batch_size} != dp*micro_batch_size*micro_batch_num = "
                 f"{p.dp}*{mbs}*{p.micro_batch_num} = {p.dp * mbs * p.micro_batch_num}"

@@ -138,4 +138,8 @@ class ShardedOptimizer:
 
     def state_numpy(self) -> dict[str, np.ndarray]:
         """This rank's optimizer state (its shard when ZeRO-1), for a checkpoint."""
-        return {"exp_avg": self.m.asnumpy(), "exp_avg_sq": self.v.asnumpy(), "lo": np.int64(self.lo)}
+        return {
+            "exp_avg": self.m.asnumpy(),
+            "exp_avg_sq": self.v.asnumpy(),
+            "lo": np.int64(self.lo),
+        }

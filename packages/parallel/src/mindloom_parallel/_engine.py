@@ -95,10 +95,14 @@ class ParallelEngine:
         for name, p in keep:
             p.name = name
         # gradients that are partial sums over TP ranks (sequence-parallel norms)
-        self._sp_idx = [i for i, n in enumerate(self.param_names) if self.sp and n.endswith("norm.weight")]
+        self._sp_idx = [
+            i for i, n in enumerate(self.param_names) if self.sp and n.endswith("norm.weight")
+        ]
         # the tied embedding lives on the first and the last stage: sum its two gradients
         self._embed_idx = [
-            i for i, n in enumerate(self.param_names) if tied and pcfg.pp > 1 and n == "embed.weight"
+            i
+            for i, n in enumerate(self.param_names)
+            if tied and pcfg.pp > 1 and n == "embed.weight"
         ]
         self.reducer = GradReducer(self.params, groups.dp, pcfg.bucket_size_mb)
         self.metrics: dict = {}
@@ -122,15 +126,23 @@ class ParallelEngine:
         tokens = batch["tokens"][i * b : (i + 1) * b]
         s = tokens.shape[1]
         pos = batch.get("position_ids")
-        pos = np.broadcast_to(np.arange(s, dtype=np.int32), tokens.shape) if pos is None else pos[i * b : (i + 1) * b]
+        pos = (
+            np.broadcast_to(np.arange(s, dtype=np.int32), tokens.shape)
+            if pos is None
+            else pos[i * b : (i + 1) * b]
+        )
         seg = batch.get("segment_ids")
         mask = batch.get("loss_mask")
         mask = np.ones(tokens.shape, np.float32) if mask is None else mask[i * b : (i + 1) * b]
         return {
             "tokens": Tensor(np.ascontiguousarray(tokens, dtype=np.int32)),
             "position_ids": Tensor(np.ascontiguousarray(pos, dtype=np.int32)),
-            "segment_ids": None if seg is None else Tensor(np.ascontiguousarray(seg[i * b : (i + 1) * b], dtype=np.int32)),
-            "labels": Tensor(np.ascontiguousarray(batch["labels"][i * b : (i + 1) * b], dtype=np.int32)),
+            "segment_ids": None
+            if seg is None
+            else Tensor(np.ascontiguousarray(seg[i * b : (i + 1) * b], dtype=np.int32)),
+            "labels": Tensor(
+                np.ascontiguousarray(batch["labels"][i * b : (i + 1) * b], dtype=np.int32)
+            ),
             "loss_mask": Tensor(np.ascontiguousarray(mask, dtype=np.float32)),
         }
 
@@ -149,7 +161,9 @@ class ParallelEngine:
         self._check_batch(batch)
         g = self.groups
         mask = batch.get("loss_mask")
-        local_tokens = float(np.prod(batch["labels"].shape) if mask is None else np.asarray(mask, np.float64).sum())
+        local_tokens = float(
+            np.prod(batch["labels"].shape) if mask is None else np.asarray(mask, np.float64).sum()
+        )
         denom = all_reduce(Tensor(np.array([local_tokens], np.float32)), g.dp)
         denom = ops.maximum(denom.reshape(()), ops.ones((), ms.float32))
         nmb = self.pcfg.micro_batch_num
@@ -183,12 +197,16 @@ class ParallelEngine:
 
     def _fwd(self, x, mb, denom):
         def fn(inp):
-            return self.stage(inp, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom)
+            return self.stage(
+                inp, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom
+            )
 
         return ms.vjp(fn, x, weights=self.params)
 
     def _forward_only(self, x, mb, denom):
-        return self.stage(x, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom)
+        return self.stage(
+            x, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom
+        )
 
     def _no_pipeline(self, micro, denom):
         total, acc = None, None
@@ -280,7 +298,12 @@ class ParallelEngine:
         for name, p in zip(self.param_names, self.params):
             if name not in full_state:
                 raise KeyError(f"state has no tensor {name!r}")
-            local = shard_tensor(np.asarray(full_state[name]), layout[name], self.groups.tp.index, self.groups.tp.size)
+            local = shard_tensor(
+                np.asarray(full_state[name]),
+                layout[name],
+                self.groups.tp.index,
+                self.groups.tp.size,
+            )
             p.set_data(Tensor(local, p.dtype))
 
     def local_state(self) -> dict[str, np.ndarray]:

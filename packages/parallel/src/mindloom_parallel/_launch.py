@@ -65,7 +65,9 @@ def launch(
     """
     world = nproc * nnodes
     if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise LaunchError(f"bad launch shape: nproc={nproc}, nnodes={nnodes}, node_rank={node_rank}")
+        raise LaunchError(
+            f"bad launch shape: nproc={nproc}, nnodes={nnodes}, node_rank={node_rank}"
+        )
     if pcfg is not None:
         validate(pcfg, model_cfg, world, global_batch_size, micro_batch_size)
     if master_port is None:
@@ -110,6 +112,11 @@ def launch(
     msrun = os.path.join(bindir, "msrun")
     if os.path.exists(msrun):
         cmd[0] = msrun
+    if node_rank > 0:
+        # msrun starts a scheduler on every node whose addresses include master_addr; only
+        # node 0 may host it (two schedulers on one host, as when nodes are simulated on
+        # 127.0.0.1, split the rendezvous), so other nodes run msrun with that check off
+        cmd = [sys.executable, "-c", _MSRUN_NOT_MASTER, *cmd[1:]]
     with open(log_dir / "msrun.log", "ab") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env, start_new_session=True
@@ -131,6 +138,16 @@ def launch(
     return 0
 
 
+_MSRUN_NOT_MASTER = (
+    "import sys\n"
+    "from mindspore.parallel.cluster.process_entity import _api\n"
+    "_api._is_local_ip = lambda ip: False\n"
+    "from mindspore.parallel.cluster.run import main\n"
+    "sys.argv[0] = 'msrun'\n"
+    "sys.exit(main())\n"
+)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -145,6 +162,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 _TIMEOUT_PAT = re.compile(
     r"(cluster_time_out|Cluster is not ready|timed? ?out|Timeout|exceed.*time)", re.IGNORECASE
+)
+_RDV_PAT = re.compile(
+    r"(initialize distributed job cluster|Cluster is not ready|cluster.*time ?out)", re.IGNORECASE
 )
 _ERR_PAT = re.compile(r"^\w*(Error|Exception|Interrupt|Exit)\b.*|^\w+Error:.*")
 
@@ -162,6 +182,13 @@ def diagnose(log_dir: str | os.PathLike, returncode: int = 1) -> str:
                 if _ERR_PAT.match(line):
                     err = line
             failed.append((_rank_of(log), err or "traceback (see log)"))
+    rendezvous = [r for r, e in failed if _RDV_PAT.search(e)]
+    if rendezvous and len(rendezvous) == len(failed):
+        return (
+            f"rendezvous timed out: not every worker joined the cluster in time (rank "
+            f"{rendezvous[0]} gave up; check the other nodes' launch, master address and "
+            f"port); logs in {log_dir}"
+        )
     if failed:
         rank, err = failed[0]
         more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""

@@ -135,7 +135,9 @@ def _pcfg(pcfg):
     return pcfg
 
 
-def rank_state(full_state: dict[str, np.ndarray], model_cfg, pcfg, rank: int) -> dict[str, np.ndarray]:
+def rank_state(
+    full_state: dict[str, np.ndarray], model_cfg, pcfg, rank: int
+) -> dict[str, np.ndarray]:
     """Cut a full state (name -> global array) into what ``rank`` holds under ``pcfg``."""
     from mindloom_parallel._groups import rank_coords
 
@@ -153,7 +155,9 @@ def rank_state(full_state: dict[str, np.ndarray], model_cfg, pcfg, rank: int) ->
     }
 
 
-def assemble_state(rank_states: dict[int, dict[str, np.ndarray]], model_cfg, pcfg) -> dict[str, np.ndarray]:
+def assemble_state(
+    rank_states: dict[int, dict[str, np.ndarray]], model_cfg, pcfg
+) -> dict[str, np.ndarray]:
     """Full tensors from per-rank states (``{rank: {name: local array}}``). Only the ranks
     of one data-parallel replica are needed; extra replicas are ignored."""
     from mindloom_parallel._groups import coords_rank
