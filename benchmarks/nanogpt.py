@@ -75,7 +75,9 @@ def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
             k = k.view(B, T, n_head, C // n_head).transpose(1, 2)
             q = q.view(B, T, n_head, C // n_head).transpose(1, 2)
             v = v.view(B, T, n_head, C // n_head).transpose(1, 2)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True
+            )
             y = y.transpose(1, 2).contiguous().view(B, T, C)
             return self.c_proj(y)
 
@@ -221,8 +223,12 @@ def run_mindloom(iters: int, threads: int, work: Path) -> dict:
     code = trainer.run()
     wall = time.perf_counter() - t0
     if code != 0:
-        raise SystemExit(f"error: the mindloom run failed (exit {code}); see {cfg.run_dir}/train.log")
-    recs = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+        raise SystemExit(
+            f"error: the mindloom run failed (exit {code}); see {cfg.run_dir}/train.log"
+        )
+    recs = [
+        json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     step_times = [r["step_time_s"] for r in recs if "event" not in r][1:]  # first window compiles
     tokens = cfg.training.global_batch_size * cfg.train_dataset.seq_length
     return {
@@ -247,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="nanogpt-bench-") as tmp:
         if args.only in (None, "nanogpt"):
-            print(f"running nanoGPT (PyTorch eager, {args.threads} threads, {args.iters} iters) ...", flush=True)
+            print(
+                f"running nanoGPT (PyTorch eager, {args.threads} threads, {args.iters} iters) ...",
+                flush=True,
+            )
             results["nanoGPT (PyTorch)"] = run_nanogpt(text, args.iters, args.threads)
         if args.only in (None, "mindloom"):
-            print(f"running mindloom (MindSpore graph mode, {args.threads} threads, {args.iters} iters) ...", flush=True)
+            print(
+                f"running mindloom (MindSpore graph mode, {args.threads} threads, {args.iters} iters) ...",
+                flush=True,
+            )
             results["mindloom (MindSpore)"] = run_mindloom(args.iters, args.threads, Path(tmp))
     print()
     print(f"{'run':24s} {'wall s':>8s} {'tokens/s':>10s} {'held-out loss':>14s}")
