@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -127,3 +128,21 @@ def test_linear_constant_and_wsd():
     assert vals[5] < 1.0 and all(v == 1.0 for v in vals[10:80])
     assert vals[80] == 1.0 and vals[90] == pytest.approx(0.5) and vals[99] < 0.06
     assert lr_at(100, wsd, 100) == 0.0
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_recipe_validates(path):
+    cfg = load_config(path)
+    from mindloom_model import preset_names
+
+    assert cfg.model.get("preset") in preset_names()
+
+
+def test_a_recipe_per_model_preset():
+    from mindloom_model import preset_names
+
+    presets = {load_config(p, check_model=False).model.get("preset") for p in CONFIGS}
+    assert set(preset_names()) <= presets
