@@ -201,3 +201,13 @@ def test_lines_without_time_still_count_as_reports():
     assert data.check_stall(1061.0)
     data.seen(1100.0)
     assert data.status() == "running" and data.events[-1].kind == "resumed"
+
+
+def test_events_are_bounded():
+    import mindloom_monitor._stats as stats
+
+    data = RunData("r")
+    for s in range(1, stats.MAX_EVENTS + 10):
+        data.add(Metric(step=s, time=None, fields={"loss": math.nan}))  # an event per step
+    assert len(data.events) <= stats.MAX_EVENTS
+    assert data.events[-1].step == stats.MAX_EVENTS + 9

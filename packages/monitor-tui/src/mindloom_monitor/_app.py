@@ -17,6 +17,7 @@ from textual.binding import Binding
 from textual.containers import Container, Grid, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
+from textual.widget import Widget
 from textual.widgets import Footer, Log, RichLog, Static
 from textual_plotext import PlotextPlot
 
@@ -129,6 +130,23 @@ class MetricPlot(PlotextPlot):
             return Text(f"cannot draw this plot: {type(exc).__name__}: {exc}", style="red")
 
 
+class HeaderBar(Widget):
+    """Two fixed lines. Repainted only when its text changes, and without a layout pass
+    (Static.update relayouts the screen: at 1 Hz that was most of the idle CPU)."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._text = Text()
+
+    def show(self, text: Text) -> None:
+        if text.plain != self._text.plain or text.spans != self._text.spans:
+            self._text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return self._text
+
+
 class ConfigScreen(ModalScreen):
     """The run's resolved config.yaml, shown as written (no YAML library needed)."""
 
@@ -238,7 +256,7 @@ class MonitorApp(App):
     # --- layout ------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         with Vertical(id="main"):
-            yield Static(id="header")
+            yield HeaderBar(id="header")
             yield Static(id="tabs")
             with Container(id="body"):
                 with Container(id="plots", classes="pane -active"):
@@ -354,8 +372,8 @@ class MonitorApp(App):
         return t
 
     def _update_header(self) -> None:
-        for header in self.query("#header").results(Static):  # absent while shutting down
-            header.update(self._header_text())
+        for header in self.query("#header").results(HeaderBar):  # absent while shutting down
+            header.show(self._header_text())
 
     def _update_tabs(self) -> None:
         parts = []

@@ -18,6 +18,7 @@ from statistics import median
 
 from mindloom_monitor._records import Event, Metric, Record
 
+MAX_EVENTS = 20_000  # per run; the oldest half is dropped beyond this
 # Series kept per run, in plotting order.
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
@@ -143,10 +144,14 @@ class RunData:
             self.version += 1
 
     def note(self, kind: str, text: str, level: str = "warn") -> None:
-        self.events.append(
-            EventEntry(kind, self.last.step if self.last else None, None, text, level)
-        )
+        self._append(EventEntry(kind, self.last.step if self.last else None, None, text, level))
         self.version += 1
+
+    def _append(self, entry: EventEntry) -> None:
+        self.events.append(entry)
+        if len(self.events) > MAX_EVENTS:  # a diverging run can flag every step
+            del self.events[: MAX_EVENTS // 2]
+            self._seen = {(e.kind, e.step) for e in self.events}
 
     def add_all(self, records: list[Record], detect: bool = True) -> None:
         for rec in records:
@@ -179,7 +184,7 @@ class RunData:
             if key in self._seen:
                 return
             self._seen.add(key)
-        self.events.append(EventEntry(kind, step, time, text, level))
+        self._append(EventEntry(kind, step, time, text, level))
 
     def _add_event(self, ev: Event) -> None:
         d = ev.data
