@@ -82,6 +82,7 @@ def test_sigterm_saves_and_exits_cleanly(prepared, tmp_path):
     run = tmp_path / "s"
     cfg = base_config(prepared, run, lr_scheduler=SCHED, training={"train_iters": 5000})
     cfg["lr_scheduler"] = {**SCHED, "decay_iters": 5000}
+    cfg["monitor"]["progress_bar"] = True
     proc = _start(cfg, tmp_path / "s.yaml", None)
     _wait_for(proc, "] 3/5000")
     t0 = time.monotonic()

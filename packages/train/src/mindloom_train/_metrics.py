@@ -96,9 +96,11 @@ class RunLog:
         self._end_progress()
         print(f"{prefix}{msg}", file=self.console, flush=True)
 
-    def progress(self, text: str) -> None:
+    def progress(self, text: str, console: bool = True) -> None:
         """A progress line: redrawn in place on a terminal, logged plainly otherwise."""
-        if self.tty:
+        if not console:
+            pass
+        elif self.tty:
             print("\r\033[K" + text, end="", file=self.console, flush=True)
             self._progress_open = True
         else:

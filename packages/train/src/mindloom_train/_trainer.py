@@ -765,7 +765,7 @@ class Trainer:
         if self.loss_scale != 1.0:
             rec["loss_scale"] = self.loss_scale
         self.metrics.write(rec)
-        self.log.progress(progress_text(rec, total))
+        self.log.progress(progress_text(rec, total), console=self.cfg.monitor.progress_bar)
 
     def _start_profiler(self):
         try:
