@@ -8,8 +8,9 @@ import sys
 
 import pytest
 import yaml
+from mindloom_train._checkpoint import read_tracker
 from mindloom_train._cli import main
-from train_testutil import SCHED, base_config, step_records
+from train_testutil import SCHED, base_config, read_metrics, step_records
 
 
 def test_generate_from_a_checkpoint(run_a, capsys):
@@ -61,9 +62,11 @@ def test_check_env_single_process(capsys):
     assert "matmul 256x256" in out and "ok" in out and "mindspore" in out and "backend" in out
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: int = 300, fault: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "GLOG_v": "3"}
     env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
     return subprocess.run([sys.executable, "-m", "mindloom_train._cli", *args],
                           capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
 
@@ -76,20 +79,24 @@ def test_check_env_all_reduce_under_msrun():
 
 
 @pytest.mark.msrun
-def test_launch_data_parallel_matches_one_process(prepared, run_a, tmp_path):
-    """dp=2 under msrun (each rank half of every global batch) = the one-process run."""
+def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(prepared, run_a, tmp_path):
+    """dp=2 under msrun (each rank half of every global batch) = the one-process run; a
+    SIGTERM that reaches only rank 1 at step 3 stops both ranks after step 3, saved."""
     cfg = base_config(prepared, tmp_path / "dp", lr_scheduler=SCHED,
-                      training={"train_iters": 3, "micro_batch_size": 2},
+                      training={"train_iters": 6, "micro_batch_size": 2},
                       parallelism={"dp": 2})  # fmt: skip
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = _cli("launch", "--nproc", "2", str(path), "--timeout", "240")
+    proc = _cli("launch", "--nproc", "2", str(path), "--timeout", "240", fault="sigterm@3:1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     dp, a = step_records(tmp_path / "dp"), step_records(run_a)
     assert sorted(dp) == [1, 2, 3]
     for step in (1, 2, 3):
         assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5)
         assert dp[step]["consumed_samples"] == a[step]["consumed_samples"]
+    end = [r for r in read_metrics(tmp_path / "dp") if r.get("event") == "end"][-1]
+    assert end["status"] == "stopped" and end["step"] == 3 and "another rank" in end["reason"]
+    assert read_tracker(tmp_path / "dp" / "checkpoints") == 3
     assert (tmp_path / "dp" / "msrun_logs" / "worker_1.log").exists()
 
 

@@ -419,8 +419,6 @@ class Trainer:
     # ------------------------------------------------------------------ eval
 
     def evaluate(self, step: int) -> float | None:
-        import mindspore as ms
-
         if self.eval_data is None:
             return None
         cfg = self.cfg
@@ -437,7 +435,6 @@ class Trainer:
         self.last_eval = (loss, ppl)
         self.log(f"eval: step {step} held-out loss {loss:.4f} ppl {ppl:.2f}")
         self.metrics.event("eval", step=step, loss=loss, ppl=ppl)
-        del ms
         return loss
 
     # ------------------------------------------------------------------ helpers
@@ -493,8 +490,6 @@ class Trainer:
         return code
 
     def _run(self) -> tuple[int, str, str]:
-        import mindspore as ms
-
         from mindloom_train import _data
         from mindloom_train._step import hyper_vector
 
@@ -725,7 +720,6 @@ class Trainer:
                 self._stop_profiler(profiler)
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
-        del ms
         return code, status, reason
 
     def _safe_save(self, step: int, reason: str) -> None:
