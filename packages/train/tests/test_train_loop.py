@@ -181,3 +181,10 @@ def test_resume_problems_are_explicit(prepared, run_a, tmp_path, capsys):
     sched = {**SCHED, "lr": 1.0e-2}
     assert _run(base_config(prepared, run, lr_scheduler=sched, training={"train_iters": 9})) == 1
     assert "LR schedule differs" in events(run, "end")[-1]["reason"]
+    # a tensor missing from the checkpoint is an error, never a partial load
+    meta_path = run / "checkpoints" / "step_00000008" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["tensors"]["norm.weight"]
+    meta_path.write_text(json.dumps(meta))
+    assert _run(base_config(prepared, run, lr_scheduler=SCHED)) == 1
+    assert "missing tensor 'norm.weight'" in events(run, "end")[-1]["reason"]

@@ -495,7 +495,9 @@ class Trainer:
 
         cfg, t = self.cfg, self.cfg.training
         self.config_hash = cfg.hash()
-        self.log(f"run: {self.run_dir} (config hash {self.config_hash})")
+        self.log(
+            f"run: {self.run_dir} (config hash {self.config_hash}); checkpoints in {self.save_path}"
+        )
         # data first: a missing corpus should fail before any model is built
         tok = _data.prepare_tokenizer(cfg, self.log)
         self.tok = tok
