@@ -1,7 +1,7 @@
 """mindloom-monitor: opening a huge metrics.jsonl, and the monitor's idle CPU.
 
     ./dev hatch run monitor:python benchmarks/monitor_open.py [--lines 1000000] [--repeats 3]
-        [--idle 30] [--workdir DIR]
+        [--idle 30] [--settle 10] [--workdir DIR]
 
 1. Writes a `metrics.jsonl` of `--lines` trainer-shaped lines (docs/contracts.md), about
    330 bytes each, plus start/eval/checkpoint events.
@@ -11,9 +11,11 @@
    B = the peer, a naive reader: `json.loads` every line and keep the series
        (what a "parse the log and plot it" script does).
    Prints both times, the ratio B/A and how many lines each parsed.
+   `--repeats 0` skips this part.
 3. Idle CPU (`--idle S`, 0 to skip): runs the real `mindloom-monitor` on that file in a
-   pseudo-terminal (`script`), waits 5 s for it to settle, then reads the process's
-   utime+stime from /proc over S seconds while nothing is appended: CPU % of one core.
+   pseudo-terminal (`script`), waits `--settle` seconds for it to open and draw, then
+   reads the process's utime+stime from /proc over S seconds while nothing is appended:
+   CPU % of one core.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def open_naive(run_dir: Path) -> tuple[float, int]:
     return time.perf_counter() - t, n
 
 
-def idle_cpu(run_dir: Path, seconds: float) -> float | None:
+def idle_cpu(run_dir: Path, seconds: float, settle: float) -> float | None:
     exe = shutil.which("mindloom-monitor", path=os.path.dirname(sys.executable))
     if exe is None or shutil.which("script") is None:
         print("idle: needs the mindloom-monitor script and util-linux `script`; skipped")
@@ -120,7 +122,7 @@ def idle_cpu(run_dir: Path, seconds: float) -> float | None:
         env=env,
     )
     try:
-        time.sleep(5)
+        time.sleep(settle)  # start-up and the first draw are not idle
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         pid = int(children[0])
         tick = os.sysconf("SC_CLK_TCK")
@@ -146,6 +148,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=1_000_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--idle", type=float, default=30.0)
+    ap.add_argument("--settle", type=float, default=10.0)
     ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="monitor-bench-"))
@@ -158,23 +161,24 @@ def main() -> None:
         print(
             f"wrote {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t:.1f}s"
         )
-    open_monitor(run_dir), open_naive(run_dir)  # warm the page cache and imports
-    a_times, b_times = [], []
-    for _ in range(args.repeats):
-        a, a_lines = open_monitor(run_dir)
-        b, b_lines = open_naive(run_dir)
-        a_times.append(a)
-        b_times.append(b)
-    a_med, b_med = statistics.median(a_times), statistics.median(b_times)
-    print(
-        f"open, mindloom-monitor (head+samples+tail): median {a_med:.3f}s, {a_lines} lines parsed"
-    )
-    print(
-        f"open, naive full parse (peer):               median {b_med:.3f}s, {b_lines} lines parsed"
-    )
-    print(f"ratio naive/monitor: {b_med / a_med:.1f}x")
+    if args.repeats > 0:
+        open_monitor(run_dir), open_naive(run_dir)  # warm the page cache and imports
+        a_times, b_times = [], []
+        for _ in range(args.repeats):
+            a, a_lines = open_monitor(run_dir)
+            b, b_lines = open_naive(run_dir)
+            a_times.append(a)
+            b_times.append(b)
+        a_med, b_med = statistics.median(a_times), statistics.median(b_times)
+        print(
+            f"open, mindloom-monitor (head+samples+tail): median {a_med:.3f}s, {a_lines} lines parsed"
+        )
+        print(
+            f"open, naive full parse (peer):               median {b_med:.3f}s, {b_lines} lines parsed"
+        )
+        print(f"ratio naive/monitor: {b_med / a_med:.1f}x")
     if args.idle > 0:
-        pct = idle_cpu(run_dir, args.idle)
+        pct = idle_cpu(run_dir, args.idle, args.settle)
         if pct is not None:
             print(f"idle CPU of mindloom-monitor over {args.idle:.0f}s: {pct:.2f}% of one core")
     if args.workdir is None:
