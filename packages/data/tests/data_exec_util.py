@@ -81,3 +81,27 @@ def removed_reasons(o: dict) -> dict:
 
 def file_bytes(prefix) -> tuple[bytes, bytes]:
     return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def shared_reference(tmp_path_factory) -> dict:
+    """The single-process reference, computed once per pytest session: the clean output
+    of `make_corpus()` and one `tokenize` of all its shards."""
+    from mindloom_data import bundled_corpus, clean, tokenize
+    from mindloom_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.getbasetemp() / "exec_reference"
+    ok = root / "complete"
+    if not ok.exists():
+        src = make_corpus(root / "in")
+        clean(src, root / "clean", workers=1, progress=False)
+        train_tokenizer([str(bundled_corpus())], root / "tok", vocab_size=1000, model_type="bpe")
+        shards = sorted(str(p) for p in (root / "clean").glob("shard-*.parquet"))
+        tokenize(shards, root / "tok", str(root / "tokens"), workers=1)
+        ok.write_text("")
+    return {
+        "src": root / "in",
+        "outcome": outcome(root / "clean"),
+        "tok": str(root / "tok"),
+        "shards": sorted(str(p) for p in (root / "clean").glob("shard-*.parquet")),
+        "tokens": file_bytes(root / "tokens"),
+    }

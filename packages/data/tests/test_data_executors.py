@@ -9,19 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from mindloom_data import bundled_corpus, clean, tokenize
+from mindloom_data import clean
 from mindloom_data._cli import main
 from mindloom_data._executors import FAULT_ENV, ExecutorError, LocalExecutor
 from mindloom_data._ranked_tokenize import tokenize_ranks
-from mindloom_tokenizer import train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from data_exec_util import file_bytes, make_corpus, outcome, removed_reasons  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("exec") / "in")
+from data_exec_util import (  # noqa: E402
+    file_bytes,
+    make_corpus,
+    outcome,
+    removed_reasons,
+    shared_reference,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +30,8 @@ def small(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):
-    """Single process: the clean output and one tokenize of all its shards."""
-    root = tmp_path_factory.mktemp("ref")
-    clean(corpus, root / "clean", workers=1, progress=False)
-    tok = root / "tok"
-    train_tokenizer([str(bundled_corpus())], tok, vocab_size=1000, model_type="bpe")
-    shards = sorted(str(p) for p in (root / "clean").glob("shard-*.parquet"))
-    tokenize(shards, tok, str(root / "tokens"), workers=1)
-    return {
-        "outcome": outcome(root / "clean"),
-        "tok": str(tok),
-        "shards": shards,
-        "tokens": file_bytes(root / "tokens"),
-    }
+def reference(tmp_path_factory):
+    return shared_reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +51,9 @@ def test_reference_run_plants_every_kind_of_removal(reference):
     assert o["read"]["bad"] == {"malformed_json": 6}
 
 
-def test_two_workers_and_other_tasks_give_identical_output(corpus, reference, tmp_path):
+def test_two_workers_and_other_tasks_give_identical_output(reference, tmp_path):
     out = tmp_path / "clean"
-    clean(corpus, out, workers=2, tasks=7, progress=False)
+    clean(reference["src"], out, workers=2, tasks=7, progress=False)
     assert outcome(out) == reference["outcome"]
     assert json.loads((out / "report.json").read_text())["config"]["partitions"] == 7
 
@@ -73,9 +61,7 @@ def test_two_workers_and_other_tasks_give_identical_output(corpus, reference, tm
 @pytest.mark.parametrize("workers,tasks", [(1, 1), (2, 3), (2, 6)])
 def test_tokenize_ranks_merge_equals_single_process(reference, tmp_path, workers, tasks):
     prefix = tmp_path / "tokens"
-    r = tokenize_ranks(
-        reference["shards"], reference["tok"], prefix, workers=workers, tasks=tasks
-    )
+    r = tokenize_ranks(reference["shards"], reference["tok"], prefix, workers=workers, tasks=tasks)
     assert file_bytes(prefix) == reference["tokens"]
     assert r["ranks"] == tasks and r["documents"] == len(reference["outcome"]["kept"])
     assert not list(tmp_path.glob("tokens.work/rank-*.bin"))  # merged, then removed
@@ -110,7 +96,10 @@ def test_rank_failing_always_names_stage_rank_and_inputs(small, tmp_path, monkey
 def test_failed_ranks_resume_without_redoing_finished_ones(reference, tmp_path, monkeypatch):
     prefix = tmp_path / "tokens"
     monkeypatch.setenv(FAULT_ENV, "tokenize:2:always")
-    with pytest.raises(ExecutorError, match=r"tokenize stage tokenize rank 2 failed .*shard-00004.parquet, .*shard-00005"):
+    with pytest.raises(
+        ExecutorError,
+        match=r"tokenize stage tokenize rank 2 failed .*shard-00004.parquet, .*shard-00005",
+    ):
         tokenize_ranks(reference["shards"], reference["tok"], prefix, tasks=3)
     done = prefix.parent / "tokens.work" / "done" / "tokenize"
     before = {p.name: p.stat().st_mtime_ns for p in done.iterdir()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -92,8 +93,13 @@ def check_fault(work: str | os.PathLike, stage: str, rank: int) -> None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={item})")
 
 
-def execute_rank(kind: str, payload: str, stage: str, rank: int, fault: str = "") -> int:
-    """Run one rank unless its completion marker exists; the entry point of every executor."""
+def execute_rank(
+    kind: str, payload: str, stage: str, rank: int, fault: str = "", in_ray: bool = False
+):
+    """Run one rank unless its completion marker exists; the entry point of every executor.
+
+    Returns the rank and, inside a Ray task (`in_ray`), the id of the node that ran it.
+    """
     global _fault
     run, run_rank = _JOBS[kind](json.loads(payload))
     _fault = fault
@@ -101,7 +107,8 @@ def execute_rank(kind: str, payload: str, stage: str, rank: int, fault: str = ""
         run_rank(run, stage, rank)
     finally:
         _fault = None
-    return rank
+    node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray else None
+    return rank, node
 
 
 def _one_line(text: str) -> str:
@@ -210,8 +217,8 @@ class RayExecutor(Executor):
     """One Ray Core task per rank.
 
     `address`: a running cluster (`"auto"`, `"HOST:PORT"`, `"ray://HOST:10001"`); None
-    joins the cluster this process is already connected to, or starts a local one with
-    `num_cpus` CPUs. `cpus_per_task`/`memory_per_task` (bytes) are scheduling hints;
+    joins the cluster this process is already connected to, or else starts a local
+    instance with `num_cpus` CPUs (all by default). `cpus_per_task`/`memory_per_task` (bytes) are scheduling hints;
     `max_retries` covers both raised exceptions and lost workers or nodes.
     """
 
@@ -232,6 +239,7 @@ class RayExecutor(Executor):
         self.cpus_per_task = cpus_per_task
         self.memory_per_task = memory_per_task
         self.max_retries = max_retries
+        self.nodes_used: set[str] = set()  # ids of the nodes that ran ranks
         self._started = False
         self._remote = None
 
@@ -242,7 +250,8 @@ class RayExecutor(Executor):
             if self.address is None:
                 kwargs["num_cpus"] = self.num_cpus
             try:
-                ray.init(address=self.address, **kwargs)
+                # "local": a new instance, not whatever cluster this machine last started
+                ray.init(address=self.address or "local", **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 where = self.address or "a local cluster"
                 raise ExecutorError(
@@ -266,7 +275,9 @@ class RayExecutor(Executor):
         fault = os.environ.get(FAULT_ENV, "")
         payload_ref = ray.put(payload)
         refs = {
-            remote.options(name=f"{kind}:{stage}:{r}").remote(kind, payload_ref, stage, r, fault): r
+            remote.options(name=f"{kind}:{stage}:{r}").remote(
+                kind, payload_ref, stage, r, fault, True
+            ): r
             for r in range(ranks)
         }
         try:
@@ -275,7 +286,7 @@ class RayExecutor(Executor):
                 for ref in ready:
                     rank = refs.pop(ref)
                     try:
-                        ray.get(ref)
+                        self.nodes_used.add(ray.get(ref)[1])
                     except ray.exceptions.RayError as exc:
                         cause = getattr(exc, "cause", None)
                         text = f"{type(cause).__name__}: {cause}" if cause else str(exc)
