@@ -1,7 +1,8 @@
 """Every layout trains the same model as one process (real msrun, CPU backend).
 
-One 2-worker launch runs dp2 (+ZeRO-1, 2 micro-batches), tp2, tp2+sp and pp2 (4
-micro-batches, 1F1B) one after another; one 4-worker launch runs dp2+tp2; two msrun
+One 2-worker launch runs dp2 (+ZeRO-1, 2 micro-batches), tp2, tp2+sp, pp2 (4
+micro-batches, 1F1B) and dp2 with the GradReducer inside a compiled (@jit) step, one after
+another; one 4-worker launch runs dp2+tp2; two msrun
 invocations act as two nodes. Each is compared with a one-process run of the model's
 own loss cell (no mindloom_parallel code on that path) on the same global batches.
 """
@@ -28,7 +29,7 @@ WORKER = str(HERE / "parallel_worker.py")
 sys.path.insert(0, str(HERE))
 import parallel_worker as W  # noqa: E402
 
-TWO_WORKER_LAYOUTS = ["dp2", "tp2", "tp2_sp", "pp2"]
+TWO_WORKER_LAYOUTS = ["dp2", "tp2", "tp2_sp", "pp2", "dp2_compiled"]
 NODE_STEPS = 5
 
 

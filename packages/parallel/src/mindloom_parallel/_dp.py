@@ -44,6 +44,9 @@ class GradReducer(nn.Cell):
         self.shapes = tuple(tuple(p.shape) for p in params)
         sizes = [int(np.prod(s)) * 4 for s in self.shapes]
         self.buckets = make_buckets(sizes, int(bucket_size_mb * 2**20))
+        self.bucket_sizes = tuple(tuple(sizes[i] // 4 for i in b) for b in self.buckets)
+        order = [i for b in self.buckets for i in b]
+        self.position = tuple(order.index(i) for i in range(len(self.shapes)))
         self.scale = 1.0 / group.size if mean else 1.0
         self.allreduce = (
             ops.AllReduce(ops.ReduceOp.SUM, group=group.name) if group.size > 1 else None
@@ -52,18 +55,21 @@ class GradReducer(nn.Cell):
     def construct(self, grads):
         if self.allreduce is None:
             return grads
-        out = list(grads)
-        for bucket in self.buckets:
-            flat = ops.concat([grads[i].reshape(-1) for i in bucket])
-            flat = self.allreduce(flat)
-            if self.scale != 1.0:
-                flat = flat * self.scale
-            off = 0
+        # tuples and static indices only: list item assignment is not reliable in graphs
+        pieces = ()
+        for b in range(len(self.buckets)):
+            bucket = self.buckets[b]
+            flat = ()
             for i in bucket:
-                n = grads[i].size
-                out[i] = flat[off : off + n].reshape(self.shapes[i])
-                off += n
-        return tuple(out)
+                flat = flat + (grads[i].reshape(-1),)
+            reduced = self.allreduce(ops.concat(flat))
+            if self.scale != 1.0:
+                reduced = reduced * self.scale
+            pieces = pieces + ops.split(reduced, self.bucket_sizes[b])
+        out = ()
+        for i in range(len(self.shapes)):
+            out = out + (pieces[self.position[i]].reshape(self.shapes[i]),)
+        return out
 
 
 class ShardedOptimizer:
@@ -133,7 +139,8 @@ class ShardedOptimizer:
         full = all_gather(p, self.group, 0)
         off = 0
         for prm, n in zip(self.params, self.sizes):
-            prm.set_data(full[off : off + n].reshape(prm.shape).astype(prm.dtype))
+            # assign in place: a compiled graph holding this parameter sees the new value
+            ops.assign(prm, full[off : off + n].reshape(prm.shape).astype(prm.dtype))
             off += n
 
     def state_numpy(self) -> dict[str, np.ndarray]:
@@ -143,3 +150,24 @@ class ShardedOptimizer:
             "exp_avg_sq": self.v.asnumpy(),
             "lo": np.int64(self.lo),
         }
+
+    def gather_state(self, names: list[str]) -> dict[str, np.ndarray]:
+        """The FULL optimizer state of this rank's parameters, by name (collective over dp
+        when ZeRO-1): ``{"<name>.exp_avg": ..., "<name>.exp_avg_sq": ...}``, layout-free
+        like the weights, so it can be saved under one dp size and loaded under another."""
+        out = {}
+        for key, t in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
+            flat = all_gather(t, self.group, 0).asnumpy()
+            off = 0
+            for name, n, p in zip(names, self.sizes, self.params):
+                out[f"{name}.{key}"] = flat[off : off + n].reshape(p.shape)
+                off += n
+        return out
+
+    def load_state(self, names: list[str], state: dict, step: int) -> None:
+        """Inverse of ``gather_state``: keep this rank's shard of the full state."""
+        for key, attr in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            parts = [np.asarray(state[f"{name}.{key}"], np.float32).reshape(-1) for name in names]
+            flat = np.concatenate(parts + [np.zeros(self.padded - sum(self.sizes), np.float32)])
+            setattr(self, attr, Tensor(flat[self.lo : self.lo + self.shard].copy()))
+        self.step_count = int(step)

@@ -304,7 +304,7 @@ class ParallelEngine:
                 self.groups.tp.index,
                 self.groups.tp.size,
             )
-            p.set_data(Tensor(local, p.dtype))
+            ops.assign(p, Tensor(local, p.dtype))
 
     def local_state(self) -> dict[str, np.ndarray]:
         """This rank's parameters (local shards) by global name, as numpy."""
