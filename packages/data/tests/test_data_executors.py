@@ -140,3 +140,15 @@ def test_without_ray_the_ray_executor_says_how_to_install_it(small, reference, t
         "error: the ray executor needs Ray: pip install 'mindloom-data[ray]'"
     ]
     assert not list(tmp_path.glob("*.bin")) and not list(tmp_path.glob("o/shard-*"))
+
+
+def test_progress_sums_the_counts_of_ranks_run_elsewhere(small, tmp_path, capsys):
+    report = clean(small, tmp_path / "o", workers=2, progress=True)
+    lines = [ln.rsplit("\r", 1)[-1] for ln in capsys.readouterr().err.split("\n")]
+    scan = next(ln for ln in lines if ln.startswith("scan "))
+    write = next(ln for ln in lines if ln.startswith("write "))
+    steps = report["steps"]
+    assert f"read {report['read']['documents']}," in scan
+    assert f"length removed {steps['length']['removed']['too_short']}" in scan
+    assert write.endswith(f"kept {report['output']['documents']}")
+    assert f"exact_dedup removed {steps['exact_dedup']['removed']['exact_duplicate']}" in write

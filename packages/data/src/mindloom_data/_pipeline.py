@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -472,12 +473,12 @@ class _Progress:
         self.enabled = enabled
         self.t0 = time.perf_counter()
 
-    def update(self, stage: str, done: int, total: int) -> None:
+    def update(self, stage: str, done: int, total: int, note: str = "") -> None:
         if self.enabled:
             dt = time.perf_counter() - self.t0
             end = "\n" if done == total else ""
             print(
-                f"\r{stage:<10} {done}/{total} ranks  {dt:7.1f}s",
+                f"\r{stage:<10} {done}/{total} ranks  {dt:7.1f}s{note}",
                 end=end,
                 file=sys.stderr,
                 flush=True,
@@ -554,10 +555,22 @@ def clean(
         for stage, ranks, _ in _stage_fns(run):
             done = 0
 
-            def on_done(_rank, stage=stage, ranks=ranks):
+            counts = Counter()
+
+            def on_done(rank, stage=stage, ranks=ranks, counts=counts):
                 nonlocal done
                 done += 1
-                prog.update(stage, done, ranks)
+                if prog.enabled and stage in ("scan", "write"):
+                    # The ranks ran elsewhere; their markers carry the counts.
+                    res = json.loads((work / "done" / stage / f"{rank:05d}.json").read_text())
+                    if stage == "scan":
+                        counts["read"] += res["read"]["documents"]
+                    for name, st in res["steps"].items():
+                        counts[f"{name} removed"] += sum(st["removed"].values())
+                    if stage == "write":
+                        counts["kept"] += res["output"]["documents"]
+                note = "".join(f", {k} {v}" for k, v in counts.items() if v)
+                prog.update(stage, done, ranks, note)
 
             ex.map_ranks("clean", payload, stage, ranks, on_done)
     finally:
