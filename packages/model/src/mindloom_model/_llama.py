@@ -332,7 +332,9 @@ def rope_cos_sin(position_ids, inv_freq):
     """
     freqs = position_ids.astype(ms.float32).expand_dims(-1) * inv_freq  # [B, S, Dh/2]
     emb = ops.concat((freqs, freqs), -1).expand_dims(1)  # [B, 1, S, Dh]
-    return ops.cos(emb), ops.sin(emb)
+    # constants of the step: cutting them out of autodiff spares the backward pass from
+    # reducing their (unused) gradients over heads in every layer
+    return ops.stop_gradient(ops.cos(emb)), ops.stop_gradient(ops.sin(emb))
 
 
 def apply_rope(x, cos, sin):
@@ -358,24 +360,27 @@ def attention_bias(seq_len: int, segment_ids=None, causal=None):
         allowed = ops.logical_and(allowed, same)
     zero = ops.zeros((), ms.float32)
     neg = ops.fill(ms.float32, (), -1e9)
-    return ops.select(
-        allowed, zero.broadcast_to(allowed.shape), neg.broadcast_to(allowed.shape)
-    ).expand_dims(1)
+    bias = ops.select(allowed, zero.broadcast_to(allowed.shape), neg.broadcast_to(allowed.shape))
+    return ops.stop_gradient(bias.expand_dims(1))
 
 
-def attention(q, k, v, bias, n_rep: int, dropout=None):
+def attention(q, k, v, bias, n_rep: int, dropout=None, scale=None):
     """Scaled dot-product attention, softmax in fp32.
 
-    q [B, H, S, Dh], k/v [B, KV, T, Dh] (T = S, or cached length in generation),
+    q [B, H, S, Dh], k/v [B, KV, T, Dh] (T = S, or the cache size in generation),
     bias [B|1, 1, S, T] additive fp32 -> [B, H, S, Dh] in q's dtype.
     Grouped-query: query head h reads kv head h // n_rep (Hugging Face's repeat_kv).
+    scale: None = 1/sqrt(Dh); pass 1.0 when q is already scaled (Attention does).
     """
     if n_rep > 1:
         b, kv, t, dh = k.shape
         k = k.expand_dims(2).broadcast_to((b, kv, n_rep, t, dh)).reshape(b, kv * n_rep, t, dh)
         v = v.expand_dims(2).broadcast_to((b, kv, n_rep, t, dh)).reshape(b, kv * n_rep, t, dh)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = ops.BatchMatMul(transpose_b=True)(q, k).astype(ms.float32) * scale  # [B, H, S, T]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = ops.BatchMatMul(transpose_b=True)(q, k).astype(ms.float32)  # [B, H, S, T]
+    if scale != 1.0:
+        scores = scores * scale
     probs = ops.softmax(scores + bias, -1).astype(q.dtype)
     if dropout is not None:
         probs = dropout(probs)
@@ -405,6 +410,7 @@ class Attention(nn.Cell):
         self.n_heads = cfg.num_heads
         self.n_kv_heads = cfg.num_kv_heads
         self.head_dim = dh
+        self.scale = 1.0 / math.sqrt(dh)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         lin = lambda i, o, std: Linear(i, o, _normal(rng, (o, i), std), param_dtype, compute_dtype)  # noqa: E731
         self.wq = lin(d, cfg.num_heads * dh, cfg.init_std)
@@ -414,13 +420,19 @@ class Attention(nn.Cell):
         self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
         self.flash = _use_flash(cfg)
 
-    def qkv(self, x, cos, sin):
-        # x [B, S, D] -> q [B, H, S, Dh], k/v [B, KV, S, Dh], RoPE applied to q and k
+    def qkv(self, x, cos, sin, q_scale=1.0):
+        # x [B, S, D] -> q [B, H, S, Dh], k/v [B, KV, S, Dh], RoPE applied to q and k.
+        # q_scale multiplies q through the small [B, 1, S, Dh] RoPE tables: cheaper than
+        # scaling the [B, H, S, S] scores, forward and backward, in every layer.
         b, s, _ = x.shape
         q = self.wq(x).reshape(b, s, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.wk(x).reshape(b, s, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.wv(x).reshape(b, s, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if q_scale != 1.0:
+            q = apply_rope(q, cos * q_scale, sin * q_scale)
+        else:
+            q = apply_rope(q, cos, sin)
+        return q, apply_rope(k, cos, sin), v
 
     def out(self, o):
         # o [B, H, S, Dh] -> [B, S, D]
@@ -428,11 +440,13 @@ class Attention(nn.Cell):
         return self.wo(o.transpose(0, 2, 1, 3).reshape(b, s, h * dh))
 
     def construct(self, x, cos, sin, bias):
-        q, k, v = self.qkv(x, cos, sin)
+        # x [B, S, D] -> [B, S, D]
         if self.flash:
+            q, k, v = self.qkv(x, cos, sin)
             o = _flash_attention(q, k, v, bias, self.n_heads)
         else:
-            o = attention(q, k, v, bias, self.n_heads // self.n_kv_heads, self.attn_dropout)
+            q, k, v = self.qkv(x, cos, sin, self.scale)
+            o = attention(q, k, v, bias, self.n_heads // self.n_kv_heads, self.attn_dropout, 1.0)
         return self.out(o)
 
 

@@ -1,0 +1,268 @@
+"""One compiled training step (forward, backward, AdamW) of mindloom_model vs PyTorch eager.
+
+    ./dev bench benchmarks/train_step.py [--presets shakespeare-char,17m] [--steps 10]
+        [--threads 2] [--batch-shakespeare-char 12] [--batch-17m 4]
+
+For each preset: MindSpore GRAPH_MODE `TrainOneStepCell` (LlamaWithLoss +
+nn.AdamWeightDecay) and the same architecture written in PyTorch eager (SDPA attention,
+torch.optim.AdamW), same batch (packed: several documents per row with segment ids and
+restarting position ids), same thread count, steps interleaved A/B/A/B in one process,
+medians reported. MFU is against the machine's fp32 matmul ceiling, measured here as
+the best of a 1024^3 matmul in NumPy, torch and MindSpore at the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", default="shakespeare-char,17m")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-shakespeare-char", type=int, default=12)
+    p.add_argument("--batch-17m", type=int, default=4)
+    p.add_argument("--no-segments", action="store_true", help="plain causal batches")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_batch(cfg, batch, seed=0, segments=True):
+    rng = np.random.default_rng(seed)
+    s = cfg.max_seq_len
+    tokens = rng.integers(0, cfg.vocab_size, (batch, s + 1)).astype(np.int32)
+    seg = np.zeros((batch, s), np.int32)
+    pos = np.tile(np.arange(s, dtype=np.int32), (batch, 1))
+    if segments:
+        for b in range(batch):  # three documents per row, boundaries at random places
+            cuts = np.sort(rng.choice(np.arange(1, s), 2, replace=False))
+            for c in cuts:
+                seg[b, c:] += 1
+                pos[b, c:] = np.arange(s - c)
+    return {
+        "tokens": tokens[:, :-1].copy(),
+        "labels": tokens[:, 1:].copy(),
+        "position_ids": pos,
+        "segment_ids": seg,
+        "loss_mask": np.ones((batch, s), np.float32),
+    }
+
+
+# ----------------------------------------------------------------------------- torch peer
+
+
+def torch_llama(cfg):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, d, eps):
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def rope(x, cos, sin):
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d, h, kv, dh, f = (
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.ffn_hidden_size,
+            )
+            self.h, self.kv, self.dh = h, kv, dh
+            self.attn_norm, self.mlp_norm = (
+                RMSNorm(d, cfg.rms_norm_eps),
+                RMSNorm(d, cfg.rms_norm_eps),
+            )
+            self.wq, self.wk, self.wv = (
+                nn.Linear(d, h * dh, False),
+                nn.Linear(d, kv * dh, False),
+                nn.Linear(d, kv * dh, False),
+            )
+            self.wo = nn.Linear(h * dh, d, False)
+            self.w1, self.w2, self.w3 = (
+                nn.Linear(d, f, False),
+                nn.Linear(f, d, False),
+                nn.Linear(d, f, False),
+            )
+
+        def forward(self, x, cos, sin, mask):
+            b, s, _ = x.shape
+            h = self.attn_norm(x)
+            q = self.wq(h).view(b, s, self.h, self.dh).transpose(1, 2)
+            k = self.wk(h).view(b, s, self.kv, self.dh).transpose(1, 2)
+            v = self.wv(h).view(b, s, self.kv, self.dh).transpose(1, 2)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.kv != self.h
+            )
+            x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+            h = self.mlp_norm(x)
+            return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList([Block() for _ in range(cfg.num_layers)])
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+            if cfg.tie_embeddings:
+                self.lm_head.weight = self.embed.weight
+            inv = 1.0 / (
+                cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+            )
+            self.register_buffer("inv_freq", inv)
+
+        def forward(self, tokens, pos, seg, labels, loss_mask):
+            s = tokens.shape[1]
+            f = pos.float()[..., None] * self.inv_freq
+            emb = torch.cat((f, f), -1)[:, None]
+            cos, sin = emb.cos(), emb.sin()
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            mask = (causal & (seg[:, :, None] == seg[:, None, :]))[:, None]
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x, cos, sin, mask)
+            logits = self.lm_head(self.norm(x)).float()
+            nll = F.cross_entropy(
+                logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+            )
+            m = loss_mask.reshape(-1)
+            return (nll * m).sum() / m.sum().clamp(min=1)
+
+    return Model()
+
+
+# ----------------------------------------------------------------------------- ceiling
+
+
+def matmul_ceiling(threads, n=1024, reps=5):
+    """Best fp32 GFLOP/s of an n^3 matmul across NumPy, torch and MindSpore."""
+    import mindspore as ms
+    import torch
+
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    results = {}
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return 2 * n**3 / min(times) / 1e9
+
+    results["numpy"] = best(lambda: a @ a)
+    ta = torch.from_numpy(a)
+    results["torch"] = best(lambda: ta @ ta)
+    ma = ms.Tensor(a)
+    mm = ms.ops.MatMul()
+    results["mindspore"] = best(lambda: mm(ma, ma).asnumpy())
+    return max(results.values()), results
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("GLOG_v", "3")
+    import mindspore as ms
+    import torch
+    from mindloom_model import Llama, LlamaWithLoss, get_preset
+    from mindspore import Tensor, nn
+
+    torch.set_num_threads(args.threads)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    ms.runtime.set_cpu_affinity(False) if hasattr(ms.runtime, "set_cpu_affinity") else None
+    ms.set_context(runtime_num_threads=args.threads) if args.threads > 1 else None
+
+    ceiling, per_lib = matmul_ceiling(args.threads)
+    print(
+        f"fp32 matmul ceiling ({args.threads} threads, 1024^3): {ceiling:.1f} GFLOP/s  "
+        + "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
+    )
+    print(f"{'preset':18} {'batch':>5} {'framework':12} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6}")
+    for name in args.presets.split(","):
+        cfg = get_preset(name)
+        batch = getattr(args, "batch_" + name.replace("-", "_"))
+        data = make_batch(cfg, batch, segments=not args.no_segments)
+        ntok = batch * cfg.max_seq_len
+        flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
+
+        net = LlamaWithLoss(Llama(cfg))
+        opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4, weight_decay=0.1)
+        step = nn.TrainOneStepCell(net, opt)
+        step.set_train(True)
+        ms_in = [
+            Tensor(data[k])
+            for k in ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+        ]
+
+        tm = torch_llama(cfg)
+        topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.1)
+        t_in = [
+            torch.from_numpy(data[k]).long()
+            if data[k].dtype == np.int32
+            else torch.from_numpy(data[k])
+            for k in ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
+        ]
+
+        def ms_step():
+            return float(step(*ms_in).asnumpy())
+
+        def torch_step():
+            topt.zero_grad(set_to_none=True)
+            loss = tm(*t_in)
+            loss.backward()
+            topt.step()
+            return float(loss)
+
+        t0 = time.perf_counter()
+        ms_step()  # compiles
+        compile_s = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            ms_step()
+            torch_step()
+        times = {"mindspore": [], "torch": []}
+        for _ in range(args.steps):  # interleaved so both see the same machine load
+            for fw, fn in (("mindspore", ms_step), ("torch", torch_step)):
+                t = time.perf_counter()
+                fn()
+                times[fw].append(time.perf_counter() - t)
+        med = {fw: statistics.median(v) for fw, v in times.items()}
+        for fw in ("mindspore", "torch"):
+            tps = ntok / med[fw]
+            mfu = flops / med[fw] / (ceiling * 1e9)
+            print(f"{name:18} {batch:>5} {fw:12} {med[fw] * 1e3:9.1f} {tps:9.0f} {mfu:6.1%}")
+        print(
+            f"{name:18} mindspore/torch tokens/s ratio: {med['torch'] / med['mindspore']:.2f}x  (compile {compile_s:.1f} s, {cfg.num_params() / 1e6:.1f}M params)"
+        )
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
