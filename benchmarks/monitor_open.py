@@ -15,7 +15,8 @@
 3. Idle CPU (`--idle S`, 0 to skip): runs the real `mindloom-monitor` on that file in a
    pseudo-terminal (`script`), waits `--settle` seconds for it to open and draw, then
    reads the process's utime+stime from /proc over S seconds while nothing is appended:
-   CPU % of one core.
+   CPU % of one core. Then the same on a small run whose lines are recent, so the
+   header's elapsed time and ETA change every second.
 """
 
 from __future__ import annotations
@@ -180,7 +181,23 @@ def main() -> None:
     if args.idle > 0:
         pct = idle_cpu(run_dir, args.idle, args.settle)
         if pct is not None:
-            print(f"idle CPU of mindloom-monitor over {args.idle:.0f}s: {pct:.2f}% of one core")
+            print(f"idle CPU, 1M-line finished run, over {args.idle:.0f}s: {pct:.2f}% of one core")
+        # A run that looks alive: its header (elapsed, ETA) changes every second.
+        live = work / "live"
+        live.mkdir(exist_ok=True)
+        now = time.time()
+        lines = [{"event": "start", "time": now - 300, "run_name": "live", "total_steps": 10_000}]
+        lines += [
+            {"step": s, "time": now - 300 + s, "loss": 3 - s / 300, "lr": 1e-3, "grad_norm": 1.0,
+             "tokens_per_s": 5000.0, "mfu": 0.01, "tokens": 4096 * s}
+            for s in range(1, 301)
+        ]  # fmt: skip
+        (live / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        pct = idle_cpu(live, args.idle, args.settle)
+        if pct is not None:
+            print(
+                f"idle CPU, live-looking run (header ticking), over {args.idle:.0f}s: {pct:.2f}% of one core"
+            )
     if args.workdir is None:
         shutil.rmtree(work)
 
