@@ -111,6 +111,19 @@ def test_resumed_run_repeating_steps_replaces_them():
     assert "restart" in kinds(data)
 
 
+def test_a_resumed_run_reports_its_evals_again():
+    data = RunData("r")
+    feed(data, [metric(s) for s in range(1, 31)])
+    feed(data, [{"event": "eval", "time": T0, "step": 20, "loss": 3.0, "ppl": 20.0}])
+    feed(data, [metric(s) for s in range(11, 21)])  # resumed from a step-10 checkpoint
+    feed(data, [{"event": "eval", "time": T0, "step": 20, "loss": 2.9, "ppl": 18.2}])
+    assert [e.text for e in data.events if e.kind == "eval"] == [
+        "loss 3  ppl 20",
+        "loss 2.9  ppl 18.2",
+    ]
+    assert data.evals == [(20, 2.9, 18.2)]
+
+
 def test_view_range_and_downsampling_keep_extremes():
     data = RunData("r")
     feed(data, [metric(s) for s in range(1, 5001)])

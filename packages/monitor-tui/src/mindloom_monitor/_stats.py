@@ -278,6 +278,9 @@ class RunData:
             self._loss_win.clear()
             self._grad_win.clear()
             self._tps_win.clear()
+            # The re-run's evals and checkpoints at these steps are news, not duplicates.
+            self.evals = [e for e in self.evals if e[0] < m.step]
+            self._seen = {k for k in self._seen if k[1] is None or k[1] < m.step}
         if self.start_time is None and m.time is not None:
             self.start_time = m.time
         f = m.fields
