@@ -285,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/mindloom-bench-dedup")
     ap.add_argument("--threshold", type=float, default=0.7, help="mindloom's signature check")
     ap.add_argument("--skip-clean", action="store_true")
+    ap.add_argument("--only-clean", action="store_true", help="just the cleaning figures")
     args = ap.parse_args(argv)
     global THRESHOLD
     THRESHOLD = args.threshold
@@ -299,11 +300,14 @@ def main(argv=None) -> int:
     methods = {"mindloom": run_mindloom, "naive datasketch": run_naive}
     if not args.no_datatrove:
         methods["datatrove"] = run_datatrove
+    if args.only_clean:
+        methods = {}
     cpu = {m: [] for m in methods}
     wall = {m: [] for m in methods}
     pairs = {}
-    # warm-up (imports, numpy buffers) on a small slice, not timed
-    run_mindloom(work / "corpus", work / "warm", where)
+    # warm-up (imports, numpy buffers), not timed
+    if methods:
+        run_mindloom(work / "corpus", work / "warm", where)
     for r in range(args.rounds):
         for name, fn in methods.items():
             out = work / f"out-{name.replace(' ', '_')}-{r}"

@@ -61,13 +61,6 @@ class TextInfo:
         return self._lengths
 
 
-def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray:
-    k = ids[: len(ids) - n + 1].copy()
-    for j in range(1, n):
-        k = k * _P64 + ids[j : len(ids) - n + 1 + j]
-    return k
-
-
 @dataclass
 class Filter:
     name = "filter"
@@ -234,10 +227,18 @@ class RepetitionFilter(Filter):
         if total == 0:
             return None
         cum = np.concatenate([[0], np.cumsum(lengths)])
-        for n, limit in self.top_ngram.items():
+        cache = [ids]  # cache[n - 1]: keys of all n-grams, each built from the previous
+
+        def ngram_keys(n):
+            while len(cache) < n:
+                m = len(cache) + 1
+                cache.append(cache[-1][:-1] * _P64 + ids[m - 1 :])
+            return cache[n - 1]
+
+        for n, limit in sorted(self.top_ngram.items()):
             if len(ids) <= n:
                 continue
-            keys = _ngram_keys(ids, n)
+            keys = ngram_keys(n)
             chars = cum[n:] - cum[:-n]
             # Fast exact bound: the characters of all n-grams sharing a bucket are at least
             # those of the most common n-gram; only a suspicious bucket needs the real count.
@@ -251,7 +252,7 @@ class RepetitionFilter(Filter):
         for n, limit in self.dup_ngram.items():
             if len(ids) <= n:
                 break
-            keys = _ngram_keys(ids, n)
+            keys = ngram_keys(n)
             srt = np.sort(keys)
             if not (srt[1:] == srt[:-1]).any():
                 break  # no repeated n-gram, so none for larger n either
