@@ -32,6 +32,23 @@ def test_follower_detects_truncation(tmp_path):
     f.close()
 
 
+def test_follower_detects_a_rewrite_that_outgrew_the_old_content(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n')
+    f = Follower(path)
+    assert len(f.poll().lines) == 2
+    # truncated and rewritten, same inode, longer than before, between two polls
+    path.write_bytes(b'{"step": 100, "loss": 1.0}\n{"step": 101, "loss": 1.0}\n')
+    chunk = f.poll()
+    assert chunk.notes == ["truncated"]
+    assert chunk.lines == [b'{"step": 100, "loss": 1.0}', b'{"step": 101, "loss": 1.0}']
+    with open(path, "ab") as fh:  # a plain append is still just an append
+        fh.write(b'{"step": 102}\n')
+    chunk = f.poll()
+    assert chunk.notes == [] and chunk.lines == [b'{"step": 102}']
+    f.close()
+
+
 def test_follower_detects_replacement_and_drains_the_old_file(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_bytes(b"a\n")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 # A line longer than this is garbage (the trainer writes a few hundred bytes); dropping
 # it bounds memory when a binary file is appended by mistake.
 MAX_LINE = 1 << 20
+# Bytes remembered before the read position; compared when the file grows.
+MARK = 64
 # Upper bound of bytes read per poll, so one message never carries an unbounded batch.
 MAX_READ = 8 << 20
 
@@ -37,6 +39,7 @@ class Follower:
         self._ident: tuple[int, int] | None = None
         self.pos = 0
         self.partial = b""
+        self._mark = b""  # the bytes just before `pos`, to notice an in-place rewrite
 
     @property
     def is_open(self) -> bool:
@@ -62,6 +65,7 @@ class Follower:
         self.close()
         self._fh, self._ident = fh, (st.st_dev, st.st_ino)
         self.pos, self.partial = pos, partial
+        self._mark = os.pread(fh.fileno(), min(pos, MARK), pos - min(pos, MARK))
         fh.seek(pos)
         return True
 
@@ -82,7 +86,16 @@ class Follower:
         data = self._fh.read(MAX_READ)
         if data:
             self.pos += len(data)
+            self._mark = (self._mark + data)[-MARK:]
             self._split(data, out)
+
+    def _rewritten(self) -> bool:
+        """The file was truncated and rewritten past our position between two polls:
+        the bytes before `pos` are no longer the ones we read."""
+        if not self._mark:
+            return False
+        n = len(self._mark)
+        return os.pread(self._fh.fileno(), n, self.pos - n) != self._mark
 
     def poll(self) -> Chunk:
         """New complete lines since the last call (possibly none)."""
@@ -103,9 +116,9 @@ class Follower:
             self.partial = b""
             if self.attach(0):
                 out.notes.append("replaced")
-        elif st.st_size < self.pos:
+        elif st.st_size < self.pos or (st.st_size > self.pos and self._rewritten()):
             self._fh.seek(0)
-            self.pos, self.partial = 0, b""
+            self.pos, self.partial, self._mark = 0, b"", b""
             out.notes.append("truncated")
         if self._fh is not None and st.st_size > self.pos:
             self._drain(out)
