@@ -25,6 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# this folder holds a benchmarks/tokenize.py that would shadow the standard library's
+# tokenize module (imported by MindSpore through dill) when run as a script from here
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 
 def _batch(cfg, gbs, seq, seed=0):
     import numpy as np
@@ -121,7 +126,7 @@ def worker(args) -> int:
         "tokens_per_s": args.global_batch * args.seq / ta,
         "comm_share": max(0.0, 1.0 - tb / ta),
     }
-    Path(args.out, f"rank{groups.rank}.json").write_text(json.dumps(res))
+    Path(args.result_dir, f"rank{groups.rank}.json").write_text(json.dumps(res))
     return 0
 
 
@@ -132,12 +137,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
-    if args.worker:
+    if args.as_worker:
         return worker(args)
+    if args.one_process:
+        print(one_process(args))
+        return 0
 
     from mindloom_parallel import launch
 
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
         single.append(_subprocess_one(args))
         with tempfile.TemporaryDirectory() as d:
             launch(
-                [__file__, "--worker", "--out", d, *_fwd(args)],
+                [__file__, "--as-worker", "--result-dir", d, *_fwd(args)],
                 nproc=2,
                 log_dir=Path(d) / "logs",
                 timeout_s=900,
@@ -174,16 +183,13 @@ def _fwd(args):
 
 
 def _subprocess_one(args) -> float:
-    # a fresh process each repeat, like the dp2 arm, so both pay the same warm-up
+    # a fresh process each repeat, like the dp2 arm, so both pay the same start-up
     import subprocess
 
-    code = (
-        "import sys, json, argparse;"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import parallel as p;"
-        "print(p.one_process(argparse.Namespace(**json.loads(sys.argv[1]))))"
-    )
-    ns = json.dumps(vars(args))
-    r = subprocess.run([sys.executable, "-c", code, ns], capture_output=True, text=True, check=True)
+    cmd = [sys.executable, __file__, "--one-process", *_fwd(args)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"error: one-process run failed: {r.stderr.strip()[-2000:]}")
     return float(r.stdout.strip().splitlines()[-1])
 
 

@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK_ID", "0"))
     if rank == a.fail_rank:
         raise RuntimeError(f"injected failure on rank {rank}")
+    if not a.layouts and not a.reference:
+        return 0
     import mindspore as ms
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")

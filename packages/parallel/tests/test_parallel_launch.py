@@ -87,3 +87,10 @@ def test_a_missing_node_is_a_rendezvous_timeout(tmp_path):
             cluster_timeout_s=5,
         )
     assert str(tmp_path / "logs") in str(e.value)
+
+
+def test_script_options_colliding_with_the_launcher_are_refused(tmp_path):
+    # msrun expands abbreviations even after the script: --worker would be --worker_num
+    with pytest.raises(LaunchError, match="--worker would be read by msrun"):
+        launch([WORKER, "--worker"], nproc=2, log_dir=tmp_path / "l")
+    assert not (tmp_path / "l" / "msrun.log").exists()

@@ -90,6 +90,7 @@ def launch(
         args = [origin, *args[2:]]
     elif not Path(args[0]).is_file():
         raise LaunchError(f"script not found: {args[0]}")
+    _check_script_options(args[1:])
     log_dir = Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -148,6 +149,28 @@ _MSRUN_NOT_MASTER = (
 )
 
 
+_MSRUN_OPTIONS = (
+    "help", "worker_num", "local_worker_num", "master_addr", "master_port", "node_rank",
+    "log_dir", "join", "cluster_time_out", "bind_core", "bind_numa", "sim_level",
+    "sim_rank_id", "rank_table_file", "worker_log_name", "tail_worker_log",
+)  # fmt: skip
+
+
+def _check_script_options(args: list[str]) -> None:
+    # msrun's argparse also reads options after the script and expands abbreviations,
+    # so a script option that prefixes one of msrun's is taken by msrun
+    for a in args:
+        if not a.startswith("--") or a == "--":
+            continue
+        name = a[2:].split("=", 1)[0]
+        hits = [o for o in _MSRUN_OPTIONS if o.startswith(name)]
+        if hits:
+            raise LaunchError(
+                f"script option {a.split('=', 1)[0]} would be read by msrun as "
+                f"--{hits[0]}: rename it"
+            )
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -172,6 +195,11 @@ _ERR_PAT = re.compile(r"^\w*(Error|Exception|Interrupt|Exit)\b.*|^\w+Error:.*")
 def diagnose(log_dir: str | os.PathLike, returncode: int = 1) -> str:
     """One line on why a launch failed, from the per-rank logs."""
     log_dir = Path(log_dir)
+    msrun_log = log_dir / "msrun.log"
+    if msrun_log.exists():
+        for line in msrun_log.read_text(errors="replace").splitlines():
+            if line.startswith("msrun: error:"):
+                return f"msrun refused the command line: {line[len('msrun: error:') :].strip()}"
     failed = []
     for log in sorted(log_dir.glob("worker_*.log"), key=_rank_of):
         text = log.read_text(errors="replace")
