@@ -8,7 +8,8 @@ nn.AdamWeightDecay) and the same architecture written in PyTorch eager (SDPA att
 torch.optim.AdamW), same batch (packed: several documents per row with segment ids and
 restarting position ids), same thread count, steps interleaved A/B/A/B in one process,
 medians reported. MFU is against the machine's fp32 matmul ceiling, measured here as
-the best of a 1024^3 matmul in NumPy, torch and MindSpore at the same thread count.
+the best square matmul (256..2048) in NumPy, torch and MindSpore at the same thread
+count. The machine is shared: read the load averages it prints.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import statistics
 import sys
 import time
 
-import numpy as np
+# benchmarks/ holds other scripts (e.g. tokenize.py) that would shadow standard modules
+# of the same name, which MindSpore imports lazily: drop this directory from the path
+sys.path[:] = [
+    p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))
+]
+
+import numpy as np  # noqa: E402
 
 
 def parse(argv):
@@ -31,6 +38,12 @@ def parse(argv):
     p.add_argument("--batch-shakespeare-char", type=int, default=12)
     p.add_argument("--batch-17m", type=int, default=4)
     p.add_argument("--no-segments", action="store_true", help="plain causal batches")
+    p.add_argument(
+        "--omp-wait",
+        choices=("passive", "active"),
+        default="passive",
+        help="OMP_WAIT_POLICY for torch: spinning OpenMP threads collapse on a shared machine",
+    )
     return p.parse_args(argv)
 
 
@@ -157,15 +170,14 @@ def torch_llama(cfg):
 # ----------------------------------------------------------------------------- ceiling
 
 
-def matmul_ceiling(threads, n=1024, reps=5):
-    """Best fp32 GFLOP/s of an n^3 matmul across NumPy, torch and MindSpore."""
+def matmul_ceiling(reps=5):
+    """Best fp32 GFLOP/s of square matmuls (256..2048) across NumPy, torch and MindSpore."""
     import mindspore as ms
     import torch
 
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     results = {}
 
-    def best(fn):
+    def best(fn, n):
         fn()
         times = []
         for _ in range(reps):
@@ -174,93 +186,108 @@ def matmul_ceiling(threads, n=1024, reps=5):
             times.append(time.perf_counter() - t)
         return 2 * n**3 / min(times) / 1e9
 
-    results["numpy"] = best(lambda: a @ a)
-    ta = torch.from_numpy(a)
-    results["torch"] = best(lambda: ta @ ta)
-    ma = ms.Tensor(a)
     mm = ms.ops.MatMul()
-    results["mindspore"] = best(lambda: mm(ma, ma).asnumpy())
+    for n in (256, 512, 1024, 2048):
+        a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+        ta, ma = torch.from_numpy(a), ms.Tensor(a)
+        for lib, fn in (
+            ("numpy", lambda a=a: a @ a),
+            ("torch", lambda ta=ta: ta @ ta),
+            ("mindspore", lambda ma=ma: mm(ma, ma).asnumpy()),
+        ):
+            results[lib] = max(results.get(lib, 0.0), best(fn, n))
     return max(results.values()), results
 
 
-# ----------------------------------------------------------------------------- main
-
-
-def main(argv=None) -> int:
-    args = parse(argv)
-    os.environ.setdefault("GLOG_v", "3")
-    import mindspore as ms
+def bench_preset(name, batch, args, ceiling):
     import torch
     from mindloom_model import Llama, LlamaWithLoss, get_preset
     from mindspore import Tensor, nn
 
-    torch.set_num_threads(args.threads)
-    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    ms.runtime.set_cpu_affinity(False) if hasattr(ms.runtime, "set_cpu_affinity") else None
-    ms.set_context(runtime_num_threads=args.threads) if args.threads > 1 else None
+    cfg = get_preset(name)
+    data = make_batch(cfg, batch, segments=not args.no_segments)
+    ntok = batch * cfg.max_seq_len
+    flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
 
-    ceiling, per_lib = matmul_ceiling(args.threads)
-    print(
-        f"fp32 matmul ceiling ({args.threads} threads, 1024^3): {ceiling:.1f} GFLOP/s  "
-        + "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
+    net = LlamaWithLoss(Llama(cfg))
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4, weight_decay=0.1)
+    step = nn.TrainOneStepCell(net, opt)
+    step.set_train(True)
+    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+    ms_in = [Tensor(data[k]) for k in keys]
+
+    tm = torch_llama(cfg)
+    topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.1)
+    t_keys = ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
+    t_in = [
+        torch.from_numpy(data[k]).long() if data[k].dtype == np.int32 else torch.from_numpy(data[k])
+        for k in t_keys
+    ]
+
+    def ms_step():
+        return float(step(*ms_in).asnumpy())
+
+    def torch_step():
+        topt.zero_grad(set_to_none=True)
+        loss = tm(*t_in)
+        loss.backward()
+        topt.step()
+        return loss.item()
+
+    t0 = time.perf_counter()
+    ms_step()  # compiles
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        ms_step()
+        torch_step()
+    times = {"mindspore": [], "torch": []}
+    for _ in range(args.steps):  # interleaved so both see the same machine load
+        for fw, fn in (("mindspore", ms_step), ("torch", torch_step)):
+            t = time.perf_counter()
+            fn()
+            times[fw].append(time.perf_counter() - t)
+    med = {fw: statistics.median(v) for fw, v in times.items()}
+    for fw in ("mindspore", "torch"):
+        tps = ntok / med[fw]
+        mfu = flops / med[fw] / (ceiling * 1e9)
+        print(f"{name:18} {batch:>5} {fw:12} {med[fw] * 1e3:9.1f} {tps:9.0f} {mfu:6.1%}")
+    per_round = statistics.median(
+        t / m for t, m in zip(times["torch"], times["mindspore"], strict=True)
     )
+    print(
+        f"{name:18} mindspore/torch tokens/s: {med['torch'] / med['mindspore']:.2f}x"
+        f" (median of per-round ratios {per_round:.2f}x; compile {compile_s:.1f} s;"
+        f" {cfg.num_params() / 1e6:.1f}M params)"
+    )
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    # pin every thread pool before the libraries start them
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    # torch's OpenMP threads spin while waiting; with other processes on the cores that
+    # makes torch 10-30x slower here, which would flatter MindSpore, so by default they sleep
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
+    os.environ.setdefault("GLOG_v", "3")
+    import mindspore as ms
+    import torch
+
+    torch.set_num_threads(args.threads)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
+
+    print(
+        f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs;"
+        f" {args.threads} threads each; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+    )
+    ceiling, per_lib = matmul_ceiling()
+    libs = "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
+    print(f"fp32 matmul ceiling ({args.threads} threads): {ceiling:.1f} GFLOP/s  ({libs})")
     print(f"{'preset':18} {'batch':>5} {'framework':12} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6}")
     for name in args.presets.split(","):
-        cfg = get_preset(name)
-        batch = getattr(args, "batch_" + name.replace("-", "_"))
-        data = make_batch(cfg, batch, segments=not args.no_segments)
-        ntok = batch * cfg.max_seq_len
-        flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
-
-        net = LlamaWithLoss(Llama(cfg))
-        opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4, weight_decay=0.1)
-        step = nn.TrainOneStepCell(net, opt)
-        step.set_train(True)
-        ms_in = [
-            Tensor(data[k])
-            for k in ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
-        ]
-
-        tm = torch_llama(cfg)
-        topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.1)
-        t_in = [
-            torch.from_numpy(data[k]).long()
-            if data[k].dtype == np.int32
-            else torch.from_numpy(data[k])
-            for k in ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
-        ]
-
-        def ms_step():
-            return float(step(*ms_in).asnumpy())
-
-        def torch_step():
-            topt.zero_grad(set_to_none=True)
-            loss = tm(*t_in)
-            loss.backward()
-            topt.step()
-            return float(loss)
-
-        t0 = time.perf_counter()
-        ms_step()  # compiles
-        compile_s = time.perf_counter() - t0
-        for _ in range(args.warmup):
-            ms_step()
-            torch_step()
-        times = {"mindspore": [], "torch": []}
-        for _ in range(args.steps):  # interleaved so both see the same machine load
-            for fw, fn in (("mindspore", ms_step), ("torch", torch_step)):
-                t = time.perf_counter()
-                fn()
-                times[fw].append(time.perf_counter() - t)
-        med = {fw: statistics.median(v) for fw, v in times.items()}
-        for fw in ("mindspore", "torch"):
-            tps = ntok / med[fw]
-            mfu = flops / med[fw] / (ceiling * 1e9)
-            print(f"{name:18} {batch:>5} {fw:12} {med[fw] * 1e3:9.1f} {tps:9.0f} {mfu:6.1%}")
-        print(
-            f"{name:18} mindspore/torch tokens/s ratio: {med['torch'] / med['mindspore']:.2f}x  (compile {compile_s:.1f} s, {cfg.num_params() / 1e6:.1f}M params)"
-        )
-        sys.stdout.flush()
+        bench_preset(name, getattr(args, "batch_" + name.replace("-", "_")), args, ceiling)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
 
