@@ -111,6 +111,10 @@ def execute_rank(
     return rank, node
 
 
+def _what(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -175,7 +179,7 @@ class LocalExecutor(Executor):
                         break
                     except Exception as exc:
                         if attempt == attempts:
-                            raise _failed(kind, payload, stage, rank, attempts, exc) from exc
+                            raise _failed(kind, payload, stage, rank, attempts, _what(exc)) from exc
                 on_done(rank)
             return
         pool = self._get_pool()
@@ -193,7 +197,7 @@ class LocalExecutor(Executor):
                         tries[rank] += 1
                         futures[pool.submit(execute_rank, kind, payload, stage, rank, fault)] = rank
                     else:
-                        raise _failed(kind, payload, stage, rank, attempts, exc) from exc
+                        raise _failed(kind, payload, stage, rank, attempts, _what(exc)) from exc
         except BaseException:
             for fut in futures:
                 fut.cancel()
@@ -273,7 +277,9 @@ class RayExecutor(Executor):
         ray = self.ray
         remote = self._connect()
         fault = os.environ.get(FAULT_ENV, "")
-        payload_ref = ray.put(payload)
+        # Small payloads travel inline in the task spec (no object the driver must own);
+        # a large one (thousands of input files) is stored once and shared.
+        payload_ref = ray.put(payload) if len(payload) > 64 * 1024 else payload
         refs = {
             remote.options(name=f"{kind}:{stage}:{r}").remote(
                 kind, payload_ref, stage, r, fault, True
