@@ -126,6 +126,14 @@ def test_causal_lm_loss_matches_numpy_and_ignores_masked_labels():
     want = (nll * mask).sum() / mask.sum()
     got = causal_lm_loss(Tensor(logits), Tensor(labels), Tensor(mask)).asnumpy()
     assert got == pytest.approx(want, rel=1e-5)
+    big = logits * 1000  # exp would overflow without the max shift
+    big_logp = big - big.max(-1, keepdims=True)
+    big_logp -= np.log(np.exp(big_logp).sum(-1, keepdims=True))
+    big_want = (
+        -np.take_along_axis(big_logp, labels[..., None], -1)[..., 0] * mask
+    ).sum() / mask.sum()
+    got_big = causal_lm_loss(Tensor(big), Tensor(labels), Tensor(mask)).asnumpy()
+    assert np.isfinite(got_big) and got_big == pytest.approx(big_want, rel=1e-5)
     all_ones = causal_lm_loss(Tensor(logits), Tensor(labels), None).asnumpy()
     assert all_ones == pytest.approx(nll.mean(), rel=1e-5)
     labels[mask == 0] = -100  # padding labels under a zero mask change nothing
