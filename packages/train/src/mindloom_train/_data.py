@@ -69,7 +69,7 @@ def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
         _write_if_changed(target, text[a:b].encode("utf-8"))
         return str(target)
     if ds.doc_range != [0.0, 1.0]:
-        from mindloom_data._readers import iter_documents
+        from mindloom_data import iter_documents
 
         docs = list(iter_documents(src, text_key=ds.text_key, txt_mode=ds.txt_mode))
         n = len(docs)
@@ -81,15 +81,6 @@ def _slice_input(ds: DatasetConfig, src: str, out: Path) -> str:
     return src
 
 
-def _tokenize_fn():
-    import mindloom_data
-
-    fn = getattr(mindloom_data, "tokenize", None)
-    if fn is None:  # until mindloom_data exports it
-        from mindloom_data._tokenize import tokenize as fn
-    return fn
-
-
 def prepare_dataset(cfg: Config, ds: DatasetConfig, name: str, tok_path: Path, log) -> list[str]:
     """The .bin/.idx prefixes of a dataset section (tokenizing text_input if needed)."""
     if ds.data_prefix:
@@ -99,7 +90,9 @@ def prepare_dataset(cfg: Config, ds: DatasetConfig, name: str, tok_path: Path, l
     prefix = data_dir / name
     src = _slice_input(ds, resolve_input(ds.text_input), prefix)
     txt_mode = ds.txt_mode
-    stats = _tokenize_fn()(
+    from mindloom_data import tokenize
+
+    stats = tokenize(
         src,
         tok_path,
         prefix,
@@ -118,11 +111,7 @@ def build_dataset(
     cfg: Config, ds: DatasetConfig, prefixes: list[str], num_samples: int, name: str, tok
 ):
     """A PackedDataset (or a blend) with at least `num_samples` samples."""
-    import mindloom_data as md
-
-    PackedDataset = getattr(md, "PackedDataset", None)
-    if PackedDataset is None:
-        from mindloom_data._pack import PackedDataset
+    from mindloom_data import BlendedDataset, PackedDataset
 
     eos = tok.eos_id if tok.eos_id >= 0 else None
     kwargs = dict(
@@ -135,9 +124,6 @@ def build_dataset(
     )
     if len(prefixes) == 1:
         return PackedDataset(prefixes[0], ds.seq_length, num_samples=num_samples, **kwargs)
-    BlendedDataset = getattr(md, "BlendedDataset", None)
-    if BlendedDataset is None:
-        from mindloom_data._blend import BlendedDataset
     weights = ds.weights or [1.0] * len(prefixes)
     total = sum(weights)
     parts = [
@@ -151,12 +137,9 @@ def build_dataset(
 
 def build_loader(dataset, cfg: Config, *, dp_rank: int, dp_size: int, consumed: int, total: int,
                  global_batch_size: int | None = None, micro_batch_size: int | None = None):  # fmt: skip
-    import mindloom_data as md
+    from mindloom_data import build_dataloader
 
-    build = getattr(md, "build_dataloader", None)
-    if build is None:
-        from mindloom_data._loader import build_dataloader as build
-    return build(
+    return build_dataloader(
         dataset,
         global_batch_size=global_batch_size or cfg.training.global_batch_size,
         micro_batch_size=micro_batch_size or cfg.training.micro_batch_size,
