@@ -223,10 +223,10 @@ def cmd_launch(args) -> int:
         validate(pcfg, None, world, cfg.training.global_batch_size, cfg.training.micro_batch_size)
     except ParallelConfigError as exc:
         raise CommandError(f"config parallelism: {exc}") from None
-    if p.tp > 1 or p.pp > 1:
+    if p.tp > 1 or p.pp > 1 or p.zero_stage:
         raise CommandError(
-            f"config parallelism: tp={p.tp} pp={p.pp}: `mindloom launch` trains data parallel "
-            "only so far (tp = pp = 1)"
+            f"config parallelism: tp={p.tp} pp={p.pp} zero_stage={p.zero_stage}: `mindloom "
+            "launch` trains plain data parallel only so far (tp = pp = 1, zero_stage = 0)"
         )
     # tokenizer and datasets are prepared once here, never raced by the workers
     from mindloom_train import _data

@@ -96,9 +96,10 @@ class Trainer:
         from mindloom_parallel import ParallelConfig, ParallelConfigError, init_parallel
 
         p = self.cfg.parallelism
-        if p.tp > 1 or p.pp > 1:
+        if p.tp > 1 or p.pp > 1 or p.zero_stage:
             raise TrainError(
-                f"parallelism tp={p.tp} pp={p.pp}: mindloom train runs data parallel only so far"
+                f"parallelism tp={p.tp} pp={p.pp} zero_stage={p.zero_stage}: mindloom train runs "
+                "plain data parallel only so far (tp = pp = 1, zero_stage = 0)"
             )
         pcfg = ParallelConfig(dp=p.dp, tp=1, pp=1, micro_batch_num=p.micro_batch_num, zero_stage=0)
         try:
