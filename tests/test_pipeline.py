@@ -56,3 +56,14 @@ def test_demo_runs_the_whole_pipeline_and_the_monitor_reads_it(tmp_path, capsys)
     summary = capsys.readouterr().out
     assert Path(run).name in summary or str(run) in summary
     assert "30" in summary
+
+
+def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, capsys):
+    from mindloom_train._cli import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a demo run")
+    assert main(["demo", "--quick", "--run-dir", str(mine)]) == 2
+    assert (mine / "notes.txt").read_text() == "not a demo run"
+    assert "is not a previous demo run" in capsys.readouterr().err

@@ -7,11 +7,12 @@ text and held-out perplexity. The run directory is what mindloom-monitor opens.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
+
+_DEMO_MARKER = ".mindloom-demo"
 
 
 def _say(msg: str) -> None:
@@ -19,41 +20,24 @@ def _say(msg: str) -> None:
 
 
 def _clean(corpus: Path, out: Path) -> str:
-    """Cleaned shards (a glob), or the raw corpus when the clean stage is unavailable."""
-    try:
-        from mindloom_data._cli import build_parser
-        from mindloom_data._cli import main as data_main
+    """Clean and dedup the corpus with mindloom-data; returns a glob of the cleaned shards."""
+    from mindloom_data import CleanError, clean
 
-        choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    except (ImportError, AttributeError, IndexError):
-        choices = {}
-    if "clean" not in choices:
-        _say(
-            "stage 1/5 clean: SKIPPED, this mindloom-data has no `clean` command; using the raw corpus"
-        )
-        return str(corpus)
     _say(f"stage 1/5 clean: mindloom-data clean {corpus} --output {out}")
     t0 = time.perf_counter()
-    rc = data_main(["clean", str(corpus), "--output", str(out), "--quiet"])
-    if rc != 0:
-        raise SystemExit(f"error: demo: mindloom-data clean failed (exit {rc})")
+    try:
+        report = clean([str(corpus)], out, progress=False)
+    except CleanError as exc:
+        raise SystemExit(f"error: demo: mindloom-data clean failed: {exc}") from None
     shards = sorted(out.glob("shard-*.parquet"))
     if not shards:
         raise SystemExit(f"error: demo: mindloom-data clean wrote no shards in {out}")
-    report = out / "report.json"
-    kept = ""
-    if report.exists():
-        try:
-            rep = json.loads(report.read_text())
-            kept = f", report {report}"
-            if isinstance(rep, dict):
-                docs_in = rep.get("documents_in") or rep.get("input_documents")
-                docs_out = rep.get("documents_out") or rep.get("output_documents")
-                if docs_in is not None and docs_out is not None:
-                    kept = f", kept {docs_out} of {docs_in} documents{kept}"
-        except (OSError, ValueError):
-            pass
-    _say(f"  {len(shards)} shard(s) in {time.perf_counter() - t0:.1f}s{kept}")
+    kept = report["output"]["documents"]
+    read = report["read"]["documents"]
+    _say(
+        f"  kept {kept} of {read} documents in {len(shards)} shard(s) "
+        f"({time.perf_counter() - t0:.1f}s, report {out / 'report.json'})"
+    )
     return str(out / "shard-*.parquet")
 
 
@@ -116,9 +100,19 @@ def run_demo(run_dir: Path, quick: bool = False, minutes: float = 3.0) -> int:
 
     t_all = time.perf_counter()
     if run_dir.exists():
-        # a demo is a fresh run: never resume someone's old demo by accident
+        # A demo is a fresh run, so an old demo is replaced; anything else is not ours to delete.
+        if not (run_dir / _DEMO_MARKER).exists() and any(run_dir.iterdir()):
+            print(
+                f"error: demo: {run_dir} exists and is not a previous demo run; "
+                "pass another --run-dir",
+                file=sys.stderr,
+            )
+            return 2
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    (run_dir / _DEMO_MARKER).write_text(
+        "written by `mindloom demo`; the next demo may replace this directory\n"
+    )
     corpus = bundled_corpus()
     _say(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.2f} MB, tiny Shakespeare)")
     text_input = _clean(corpus, run_dir / "cleaned")
