@@ -23,6 +23,23 @@ def test_smoothing_is_a_bias_corrected_ema_that_skips_nan():
     assert data.smoothed[2] == data.smoothed[1]  # a NaN loss does not poison the curve
 
 
+def test_the_trainers_own_smoothed_loss_wins_over_the_ema():
+    data = RunData("r", Settings(smoothing=0.5))
+    feed(
+        data,
+        [
+            {"step": 1, "loss": 4.0, "loss_smoothed": 3.5},
+            {"step": 2, "loss": 2.0, "loss_smoothed": None},  # non-finite: fall back to the EMA
+            {"step": 3, "loss": 1.0, "loss_smoothed": 1.25},
+        ],
+    )
+    assert data.smoothed[0] == 3.5
+    assert math.isclose(
+        data.smoothed[1], 2.0
+    )  # the EMA over the losses seen with no smoothed value
+    assert data.smoothed[2] == 1.25
+
+
 def test_header_facts_eta_elapsed_tokens_checkpoint():
     data = RunData("runs/x")
     feed(data, [{"event": "start", "time": T0, "run_name": "demo", "total_steps": 1000}])

@@ -292,7 +292,11 @@ class RunData:
         for key in SERIES:
             self.series[key].append(f.get(key, math.nan))
         loss = f.get("loss")
-        if _finite(loss):
+        trainer_smoothed = f.get("loss_smoothed")
+        if _finite(trainer_smoothed):
+            # The trainer smooths over every step; an EMA over logged points only lags it.
+            self.smoothed.append(trainer_smoothed)
+        elif _finite(loss):
             w = self.settings.smoothing
             self._ema = w * self._ema + (1 - w) * loss
             self._ema_n += 1
