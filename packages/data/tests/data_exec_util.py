@@ -16,16 +16,18 @@ _VOCAB = [
 ]
 
 
-def _doc(rng: random.Random, n: int) -> str:
+def make_doc(rng: random.Random, n: int) -> str:
     words = [rng.choice(_VOCAB) for _ in range(n)]
     sents = [" ".join(words[i : i + 10]).capitalize() + "." for i in range(0, n, 10)]
     half = len(sents) // 2
     return " ".join(sents[:half]) + "\n\n" + " ".join(sents[half:])
 
 
-def make_corpus(root: Path, files: int = 6, docs: int = 400, seed: int = 0) -> Path:
-    """`files * docs` documents: ~5% exact and ~7% near duplicates (also across files),
-    some too short, one malformed line per file."""
+def make_corpus(
+    root: Path, files: int = 6, docs: int = 400, seed: int = 0, words: tuple[int, int] = (40, 120)
+) -> Path:
+    """`files * docs` documents of `words` words: ~5% exact and ~7% near duplicates (also
+    across files), some too short, one malformed line per file."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     seen: list[str] = []
@@ -42,7 +44,7 @@ def make_corpus(root: Path, files: int = 6, docs: int = 400, seed: int = 0) -> P
             elif r < 0.14:
                 text = "too short"
             else:
-                text = _doc(rng, rng.randint(40, 120))
+                text = make_doc(rng, rng.randint(*words))
             seen.append(text)
             lines.append(json.dumps({"text": text}))
         lines.insert(docs // 2, "{broken json")

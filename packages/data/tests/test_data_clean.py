@@ -13,43 +13,13 @@ import pytest
 from mindloom_data import CleanError, clean
 from mindloom_data._cli import main
 
-_rng = random.Random(0)
-_VOCAB = [
-    "".join(_rng.choice("abcdefghijklmnop") for _ in range(_rng.randint(2, 9))) for _ in range(5000)
-]
-
-
-def _doc(rng, n):
-    words = [rng.choice(_VOCAB) for _ in range(n)]
-    sents = [" ".join(words[i : i + 10]).capitalize() + "." for i in range(0, n, 10)]
-    half = len(sents) // 2
-    return " ".join(sents[:half]) + "\n\n" + " ".join(sents[half:])
+sys.path.insert(0, str(Path(__file__).parent))
+from data_exec_util import make_corpus, make_doc  # noqa: E402
 
 
 def _corpus(root: Path, files=4, docs=150, seed=0):
     """Seeded corpus with planted exact and near duplicates and some bad lines."""
-    rng = random.Random(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    all_docs = []
-    for f in range(files):
-        lines = []
-        for _ in range(docs):
-            r = rng.random()
-            if all_docs and r < 0.05:
-                text = rng.choice(all_docs)  # exact duplicate
-            elif all_docs and r < 0.12:
-                w = rng.choice(all_docs).split(" ")
-                w[rng.randrange(len(w))] = "changed"
-                text = " ".join(w)  # near duplicate
-            elif r < 0.14:
-                text = "too short"
-            else:
-                text = _doc(rng, rng.randint(60, 150))
-            all_docs.append(text)
-            lines.append(json.dumps({"text": text}))
-        lines.insert(docs // 2, "{broken json")
-        (root / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
-    return root
+    return make_corpus(root, files=files, docs=docs, seed=seed, words=(60, 150))
 
 
 def _outputs(out: Path):
@@ -127,14 +97,14 @@ def test_cli_bad_records_are_counted_and_exit_zero(tmp_path, capsys):
     src = tmp_path / "in"
     src.mkdir()
     rng = random.Random(5)
-    good = [json.dumps({"text": _doc(rng, 80)}).encode() for _ in range(200)]
+    good = [json.dumps({"text": make_doc(rng, 80)}).encode() for _ in range(200)]
     bad = [b"{not json", b'{"text": "bad \xff utf8"}', b"", b'{"body": "x"}', b"[]", b"42"]
     bad += [b'{"text": ""}', b'{"text": null}']
     lines = good[:100] + bad + good[100:]
     (src / "mixed.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     (src / "empty.jsonl").write_bytes(b"")
     (src / "blank.jsonl").write_bytes(b"\n  \n")
-    other = [json.dumps({"text": _doc(rng, 80)}).encode() for _ in range(50)]
+    other = [json.dumps({"text": make_doc(rng, 80)}).encode() for _ in range(50)]
     data = gzip.compress(b"\n".join(other) + b"\n")
     (src / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
     assert main(["clean", str(src), "--output", str(tmp_path / "out"), "--jsonl"]) == 0
@@ -175,7 +145,7 @@ def test_chinese_and_punctuation_survive_end_to_end(tmp_path):
     for _ in range(5):
         sents = ["".join(rng.choice(chars) for _ in range(15)) + "。" for _ in range(6)]
         zh.append("".join(sents[:3]) + "\n\n" + "".join(sents[3:]))
-    en = _doc(rng, 80).replace(".", "?", 1) + ' "Quoted," she said; (and) that: was it!'
+    en = make_doc(rng, 80).replace(".", "?", 1) + ' "Quoted," she said; (and) that: was it!'
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in zh + [en]))
     clean(src, tmp_path / "out")
@@ -239,9 +209,9 @@ def test_a_50_mb_document_is_counted_not_fatal(tmp_path):
     src = tmp_path / "in.jsonl"
     rng = random.Random(7)
     with open(src, "w") as f:
-        f.write(json.dumps({"text": _doc(rng, 80)}) + "\n")
+        f.write(json.dumps({"text": make_doc(rng, 80)}) + "\n")
         f.write(json.dumps({"text": "lorem ipsum " * (50 * 1024 * 1024 // 12)}) + "\n")
-        f.write(json.dumps({"text": _doc(rng, 80)}) + "\n")
+        f.write(json.dumps({"text": make_doc(rng, 80)}) + "\n")
     out = tmp_path / "out"
     assert main(["clean", str(src), "-o", str(out), "-q"]) == 0
     report = json.loads((out / "report.json").read_text())
