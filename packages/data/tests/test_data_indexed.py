@@ -53,6 +53,18 @@ def test_reader_returns_documents_and_int32_dtype(tmp_path):
         ds[4]
 
 
+def test_raw_writes_with_lengths_in_bulk_equal_add_document(tmp_path):
+    ref = write(tmp_path / "ref")
+    with IndexedDatasetBuilder(tmp_path / "raw", dtype=np.uint16) as b:
+        b.write_raw(np.asarray(DOCS[0], "<u2").tobytes())
+        b.add_document_length(len(DOCS[0]))
+        rest = DOCS[1:]
+        b.write_raw(np.asarray([t for d in rest for t in d], "<u2").tobytes())
+        b.add_document_lengths(np.array([len(d) for d in rest], dtype=np.int64))
+    for ext in (".bin", ".idx"):
+        assert open(ref + ext, "rb").read() == open(str(tmp_path / "raw") + ext, "rb").read()
+
+
 def test_optimal_dtype_threshold():
     assert optimal_dtype(65499) is np.uint16
     assert optimal_dtype(65500) is np.int32

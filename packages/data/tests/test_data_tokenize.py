@@ -6,6 +6,7 @@ document, merge = concatenation) and 20 (SIGKILL halfway, rerun byte-identical).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -15,10 +16,12 @@ import time
 
 import numpy as np
 import pytest
+import zstandard
 from mindloom_data import IndexedDataset, bundled_corpus
 from mindloom_data._cli import main
 from mindloom_data._indexed import merge_datasets
-from mindloom_data._tokenize import chunk_text, chunking_mode, tokenize
+from mindloom_data._readers import ReadStats, iter_documents
+from mindloom_data._tokenize import _texts, chunk_text, chunking_mode, tokenize
 from mindloom_tokenizer import Tokenizer, train_tokenizer
 
 TRICKY = [
@@ -83,6 +86,55 @@ def test_no_eos_writes_plain_tokens(tmp_path, tok_dir, corpus):
     assert not any(int((ds[i] == tok.eos_id).sum()) for i in range(20))
 
 
+# Lines where orjson and json.loads could disagree, and every bad-record category.
+ODD_LINES = [
+    b"\n",  # blank before the first record
+    b'{"text": "first"}\n',
+    b"  \t\n",  # blank between records
+    b'{"text": "after a blank"}\n',
+    b'{"text": "broken\n',
+    b'{"text": "bad \xff\xfe bytes"}\n',
+    b'{"text": "utf-8 surrogate \xed\xa0\x80"}\n',
+    b'{"text": "lone surrogate \\ud800 escape"}\n',  # json.loads keeps it, orjson refuses
+    b'{"text": "pair \\ud83d\\ude00 escape"}\n',
+    b'{"text": "nan", "x": NaN}\n',  # json.loads accepts NaN, orjson refuses
+    b'{"text": "big int", "x": 123456789012345678901234567890}\n',
+    b'{"text": "dup", "text": "last wins"}\n',
+    b'\xef\xbb\xbf{"text": "bom"}\n',
+    b'{"text": "two"} {"text": "objects"}\n',
+    b'{"body": "no text key"}\n',
+    b"[]\n",
+    b"42\n",
+    b'{"text": ""}\n',
+    b'{"text": " \\u2028\\n "}\n',  # whitespace only to str.strip
+    b'{"text": null}\n',
+    b'{"text": 7}\n',
+    b'{"text": "crlf"}\r\n',
+    b'{"text": "no newline at the end"}',
+]
+
+
+def test_fast_jsonl_path_reads_what_the_reader_reads(tmp_path):
+    """`_texts` (orjson) yields exactly `iter_documents`' texts and the same bad counts."""
+    data = b"".join(ODD_LINES)
+    trailing = data + b"\n\n"  # blank lines after the last record
+    (tmp_path / "a.jsonl").write_bytes(trailing)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    whole = gzip.compress(data * 20)
+    (tmp_path / "d.jsonl.gz").write_bytes(whole[: len(whole) // 2])  # truncated
+    (tmp_path / "e.jsonl").write_bytes(b"")
+    (tmp_path / "f.jsonl").write_bytes(b" \n\n")
+    (tmp_path / "g.txt").write_text("a paragraph\n\nanother one\n", encoding="utf-8")
+    want_stats, got_stats = ReadStats(), ReadStats()
+    want = [d.text for d in iter_documents(tmp_path, stats=want_stats)]
+    got = list(_texts(tmp_path, "text", got_stats, "paragraph"))
+    assert got == want
+    assert "lone surrogate \ud800 escape" in got and "last wins" in got and "nan" in got
+    assert got_stats.to_dict() == want_stats.to_dict()
+    assert want_stats.counts["blank_line"] >= 4 and want_stats.counts["truncated_file"] == 1
+
+
 def test_workers_and_reruns_are_byte_identical(tmp_path, tok_dir, corpus):
     path, _ = corpus
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -94,6 +146,32 @@ def test_workers_and_reruns_are_byte_identical(tmp_path, tok_dir, corpus):
     assert again.skipped and _bytes(a) == first
     forced = tokenize(path, tok_dir, a, force=True)
     assert not forced.skipped and _bytes(a) == first
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "char"])
+def test_chunks_across_tasks_threads_and_processes(tmp_path, model_type):
+    """Long documents cut into chunks that span tasks, mixed with whole ones: the same
+    bytes from 1 and 3 workers (threads for SentencePiece, processes for `char`), and
+    each document equals its whole-text encoding plus one EOS."""
+    tok_dir = tmp_path / "tok"
+    vocab = 500 if model_type == "bpe" else None
+    train_tokenizer([str(bundled_corpus())], tok_dir, vocab_size=vocab, model_type=model_type)
+    base = bundled_corpus().read_text()
+    texts = [base[k * 997 : k * 997 + n] for k, n in enumerate([50, 9000, 120, 30, 25_000, 70])]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    outs = []
+    for workers in (1, 3):
+        out = str(tmp_path / f"w{workers}")
+        st = tokenize(str(path), tok_dir, out, workers=workers, chunk_chars=2000, task_bytes=3000)
+        assert st.documents == len(texts) and st.chunked_documents == 2
+        outs.append(_bytes(out))
+    assert outs[0] == outs[1]
+    tok = Tokenizer.load(tok_dir)
+    ds = IndexedDataset(str(tmp_path / "w3"))
+    assert len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == tok.encode(text) + [tok.eos_id]
 
 
 def test_merging_shards_equals_tokenizing_everything(tmp_path, tok_dir, corpus):

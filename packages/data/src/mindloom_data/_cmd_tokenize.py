@@ -27,7 +27,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer directory or .model file")
     p.add_argument("--input", required=True, nargs="+", help="files, directories or globs")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--workers", type=int, default=1, help="encoding processes (default 1)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="encoding threads (processes for a char tokenizer; default 1)",
+    )
     p.add_argument("--no-eos", action="store_true", help="do not append EOS to each document")
     p.add_argument("--text-key", default="text", help="JSON/Parquet text field (default text)")
     p.add_argument(

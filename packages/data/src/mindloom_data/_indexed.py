@@ -293,6 +293,13 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.append(n)
         self.document_indices.append(len(self.sequence_lengths))
 
+    def add_document_lengths(self, lengths: np.ndarray) -> None:
+        """`add_document_length` for each of `lengths` (int64), without a Python loop."""
+        first = len(self.sequence_lengths) + 1
+        self.sequence_lengths.frombytes(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+        docs = np.arange(first, first + len(lengths), dtype=np.int64)
+        self.document_indices.frombytes(docs.tobytes())
+
     def end_document(self) -> None:
         self.document_indices.append(len(self.sequence_lengths))
 
