@@ -105,14 +105,16 @@ class TrainStep(_Base):
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper):
         scale = hyper[H_SCALE]
         loss, grads = self._grads(tokens, labels, position_ids, segment_ids, loss_mask, scale)
+        # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
+        # unscaling multiplier `inv` is folded into the clip factor, so each gradient is
+        # multiplied once, and its squared norm is a [1, n] x [n, 1] matmul (MindSpore's
+        # CPU ReduceSum is several times slower than the matmul on these sizes)
         inv = hyper[H_GMULT] / (scale * hyper[H_NMICRO])
-        out = ()
-        for i in range(len(grads)):
-            g = grads[i].astype(ms.float32)
-            if self.acc is not None:
-                g = g + self.acc[i]
-            out = out + (g * inv,)
-        grads = out
+        if self.acc is not None:
+            out = ()
+            for i in range(len(grads)):
+                out = out + (grads[i].astype(ms.float32) + self.acc[i],)
+            grads = out
         # mean micro-batch loss over the step; then test-only poison (0.0 = exact no-op)
         loss = (loss.astype(ms.float32) + hyper[H_PREV_LOSS]) / hyper[H_NMICRO] + hyper[H_LPOISON]
         if self.grad_reducer is not None:
@@ -125,14 +127,16 @@ class TrainStep(_Base):
         grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         sq = ()
         for g in grads:
-            sq = sq + ((g * g).sum(),)
-        gnorm = ops.sqrt(ops.addn(sq))
+            flat = g.astype(ms.float32).reshape(1, -1)
+            sq = sq + (ops.matmul(flat, flat.T).reshape(()),)
+        gnorm = ops.sqrt(ops.addn(sq)) * ops.abs(inv)
         ok = ops.logical_and(ops.isfinite(loss), ops.isfinite(gnorm))
         ok = ops.logical_and(ok, gnorm <= hyper[H_SPIKE])
         clip = hyper[H_CLIP]
         factor = ops.select(
             clip > 0, ops.minimum(clip / (gnorm + 1e-6), 1.0), ops.ones((), ms.float32)
         )
+        factor = factor * inv
         if ok:
             for i in range(len(grads)):
                 r = _adamw(
@@ -144,7 +148,7 @@ class TrainStep(_Base):
                     hyper[H_B2],
                     hyper[H_EPS],
                     hyper[H_WD] * self.flags[i],
-                    grads[i] * factor,
+                    grads[i].astype(ms.float32) * factor,
                 )
                 loss = ops.depend(loss, r)
         if self.acc is not None:
