@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field, fields
+from operator import mul
 
 import numpy as np
 
@@ -27,14 +28,23 @@ _P64 = np.uint64(0x100000001B3)
 class TextInfo:
     """Per-document analysis shared by the filters (computed lazily, once)."""
 
-    __slots__ = ("text", "_units", "_ids", "_lengths", "cjk")
+    __slots__ = ("text", "_units", "_ids", "_lengths", "cjk", "ascii", "_raw")
 
     def __init__(self, text: str):
         self.text = text
-        self.cjk = _HAS_CJK.search(text) is not None
+        self.ascii = text.isascii()
+        self.cjk = not self.ascii and _HAS_CJK.search(text) is not None
         self._units = None
         self._ids = None
         self._lengths = None
+        self._raw = None
+
+    @property
+    def raw(self) -> bytes:
+        """The text as bytes: ASCII (one byte per character) when `ascii`, else UTF-32."""
+        if self._raw is None:
+            self._raw = self.text.encode("ascii" if self.ascii else "utf-32-le")
+        return self._raw
 
     @property
     def units(self) -> list[str]:
@@ -103,12 +113,20 @@ class RepeatedCharsFilter(Filter):
     max_fraction: float = 0.1
     name = "repeated_chars"
 
+    def __post_init__(self):
+        self._needle = b"\x01" * max(0, self.run_length - 1)
+
     def check(self, text, info):
         if len(text) < self.run_length:
             return None
         # numpy over code points: about 30x faster than a backreference regex
-        a = np.frombuffer(text.encode("utf-32-le"), np.uint32)
-        bounds = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1], [True])))
+        a = np.frombuffer(info.raw, np.uint8 if info.ascii else np.uint32)
+        same = a[1:] == a[:-1]
+        # A run of `run_length` is `run_length - 1` equal neighbours in a row; most texts
+        # have none, and a byte search says so faster than measuring every run.
+        if self._needle not in same.tobytes():
+            return None
+        bounds = np.flatnonzero(np.concatenate(([True], ~same, [True])))
         lens = np.diff(bounds)
         long = lens >= self.run_length
         if not long.any():
@@ -131,7 +149,7 @@ class GarbledFilter(Filter):
     name = "garbled"
 
     def check(self, text, info):
-        if text.isascii():  # every pattern below is non-ASCII
+        if info.ascii:  # every pattern below is non-ASCII
             return None
         bad = sum(m.end() - m.start() for m in _GARBLED.finditer(text))
         if bad and bad / max(1, len(text)) > self.max_ratio:
@@ -156,9 +174,15 @@ class SymbolFilter(Filter):
         if symbols / n > self.max_symbol_ratio:
             return "symbol_ratio"
         if self.min_alpha_fraction > 0:
-            # CJK text: units are characters, so count runs of non-letters between them.
-            pattern = _NONALPHA_RUN if info.cjk else _NONALPHA_TOKEN
-            nonalpha = len(pattern.findall(text))
+            if info.ascii:
+                # Drop every byte that is neither a letter nor a space: a word that had a
+                # letter keeps one, the others vanish; words left = words with a letter.
+                t = info.raw.translate(_ALPHA_TABLE, _NOT_ALPHA_OR_SPACE)
+                nonalpha = len(info.units) - t.count(b" a") - t.startswith(b"a")
+            else:
+                # CJK text: units are characters, so count runs of non-letters between them.
+                pattern = _NONALPHA_RUN if info.cjk else _NONALPHA_TOKEN
+                nonalpha = len(pattern.findall(text))
             if 1 - nonalpha / n < self.min_alpha_fraction:
                 return "few_alpha_units"
         return None
@@ -168,6 +192,14 @@ class SymbolFilter(Filter):
 # is cheap to test with one regex over the whole text and close enough for this rule.
 _NONALPHA_RUN = re.compile("[^\\sA-Za-z\u00c0-\U0010ffff]+")
 _NONALPHA_TOKEN = re.compile("(?<!\\S)[^\\sA-Za-z\u00c0-\U0010ffff]+(?!\\S)")
+# The same for ASCII text, on bytes: letters -> "a", whitespace (what str.split and the
+# regex's \s split on) -> " ", everything else deleted.
+_ASCII_SPACE = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
+_ASCII_LETTERS = bytes(c for c in range(128) if chr(c).isascii() and chr(c).isalpha())
+_ALPHA_TABLE = bytes(
+    ord("a") if c in _ASCII_LETTERS else 32 if c in _ASCII_SPACE else c for c in range(256)
+)
+_NOT_ALPHA_OR_SPACE = bytes(c for c in range(256) if c not in _ASCII_LETTERS + _ASCII_SPACE)
 
 
 @dataclass
@@ -222,6 +254,29 @@ class RepetitionFilter(Filter):
         return None
 
     def _ngrams(self, info):
+        units = info.units
+        # Exact shortcuts in plain Python, which beat numpy on typical (short) documents:
+        # an n-gram seen c times contains each of its units at least c times, so its
+        # characters times c are at most n times the largest count * length of a unit;
+        # and with no repeated n-gram for the smallest n, there is none for larger n.
+        top = [(n, limit) for n, limit in sorted(self.top_ngram.items()) if len(units) > n]
+        if top:
+            counts = Counter(units)
+            total = sum(map(mul, map(len, counts), counts.values()))
+            if total == 0:
+                return None
+            most = max(map(mul, map(len, counts), counts.values()))
+            top = [(n, limit) for n, limit in top if n * most / total > limit]
+        n0 = min(self.dup_ngram, default=0)
+        dup = bool(self.dup_ngram) and len(units) > n0
+        if dup:
+            grams = len(units) - n0 + 1
+            dup = len(set(zip(*(units[i : i + grams] for i in range(n0))))) < grams
+        if not top and not dup:
+            return None
+        return self._ngrams_numpy(info, dict(top), dup)
+
+    def _ngrams_numpy(self, info, top_ngram, check_dup):
         ids, lengths = info.ids, info.lengths
         total = int(lengths.sum())
         if total == 0:
@@ -235,7 +290,7 @@ class RepetitionFilter(Filter):
                 cache.append(cache[-1][:-1] * _P64 + ids[m - 1 :])
             return cache[n - 1]
 
-        for n, limit in sorted(self.top_ngram.items()):
+        for n, limit in sorted(top_ngram.items()):
             if len(ids) <= n:
                 continue
             keys = ngram_keys(n)
@@ -249,7 +304,7 @@ class RepetitionFilter(Filter):
             top = int(np.argmax(counts * chars[first]))
             if counts[top] >= 2 and counts[top] * int(chars[first[top]]) / total > limit:
                 return f"top_{n}gram"
-        for n, limit in self.dup_ngram.items():
+        for n, limit in self.dup_ngram.items() if check_dup else ():
             if len(ids) <= n:
                 break
             keys = ngram_keys(n)

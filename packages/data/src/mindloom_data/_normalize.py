@@ -35,6 +35,8 @@ _TABLE.update({ord(c): " " for c in _UNICODE_SPACES})
 _TABLE.update({c: None for c in _CONTROLS})
 _TABLE[0x2028] = "\n"  # line separator
 _TABLE[0x2029] = "\n\n"  # paragraph separator
+_BYTE_TABLE = bytes(32 if _TABLE.get(c) == " " else c for c in range(256))
+_BYTE_DELETE = bytes(c for c in range(128) if c in _TABLE and _TABLE[c] is None)
 
 
 class MissingExtraError(ImportError):
@@ -68,9 +70,13 @@ class Normalizer:
             text = _ANSI.sub("", text)
         if "\r" in text:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
+        ascii = text.isascii()
         if self.control:
-            text = text.translate(_TABLE)
-        if self.nfkc and not text.isascii() and not unicodedata.is_normalized("NFKC", text):
+            if ascii:  # the same table on bytes, ~3x faster than str.translate
+                text = text.encode("ascii").translate(_BYTE_TABLE, _BYTE_DELETE).decode("ascii")
+            else:
+                text = text.translate(_TABLE)
+        if self.nfkc and not ascii and not unicodedata.is_normalized("NFKC", text):
             text = unicodedata.normalize("NFKC", text)
             if self.control:  # NFKC can produce new spaces (e.g. from U+3000)
                 text = text.translate(_TABLE)

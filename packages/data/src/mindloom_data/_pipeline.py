@@ -33,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mindloom_data._dedup import (
+    LINE_BITS,
     cluster_stage,
     exact_stage,
     lsh_stage,
@@ -232,9 +234,11 @@ def scan_rank(run: Run, task: int) -> dict:
     rstats = ReadStats()
     steps = {"normalize": StepStats(), **{f.name: StepStats() for f in filters}}
     removed = {name: _Removed(run, name, task) for name in steps}
+    # An intermediate that is read once and deleted: not worth compressing.
     clean = ParquetShardWriter(
         work / "clean" / f"t{task:05d}.parquet",
         schema=pa.schema([*SCHEMA, ("key", pa.uint64())]),
+        compression=None,
     )
     exact_rows, para_rows, lines = [], [], []
     sig_blocks, lsh_rows = [], []
@@ -261,41 +265,46 @@ def scan_rank(run: Run, task: int) -> dict:
         batch_text.clear()
         batch_line.clear()
 
+    # Per filter, how many documents (and bytes) stopped there; len(filters) = kept. The
+    # per-step in/out counts follow from these at the end, which saves the bookkeeping
+    # in the loop.
+    stopped = [0] * (len(filters) + 1)
+    stopped_bytes = [0] * (len(filters) + 1)
+    nst = steps["normalize"]
+    key_base = task << LINE_BITS
     for doc in iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"]):
         text = doc.text
-        nbytes = len(text.encode("utf-8"))
-        st = steps["normalize"]
-        st.docs_in += 1
-        st.bytes_in += nbytes
+        nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+        nst.docs_in += 1
+        nst.bytes_in += nbytes
         if normalizer is not None:
             text = normalizer(text)
             if not text:
-                st.drop("empty_after_normalize", doc.id, doc.text)
+                nst.drop("empty_after_normalize", doc.id, doc.text)
                 removed["normalize"].add(
                     doc.id, doc.source, doc.line, "empty_after_normalize", doc.text
                 )
                 continue
-            nbytes = len(text.encode("utf-8"))
-        st.docs_out += 1
-        st.bytes_out += nbytes
+            nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+        nst.docs_out += 1
+        nst.bytes_out += nbytes
         info = TextInfo(text)
-        dropped = False
-        for f in filters:
-            st = steps[f.name]
-            st.docs_in += 1
-            st.bytes_in += nbytes
+        reason = None
+        for i, f in enumerate(filters):
             reason = f.check(text, info)
             if reason is not None:
-                st.drop(reason, doc.id, text)
+                stopped[i] += 1
+                stopped_bytes[i] += nbytes
+                steps[f.name].drop(reason, doc.id, text)
                 removed[f.name].add(doc.id, doc.source, doc.line, reason, text)
-                dropped = True
                 break
-            st.docs_out += 1
-            st.bytes_out += nbytes
-        if dropped:
+        else:
+            stopped[-1] += 1
+            stopped_bytes[-1] += nbytes
+        if reason is not None:
             continue
-        key = int(make_key(task, doc.line))
-        clean.write(text=text, id=doc.id, source=doc.source, line=doc.line, key=key)
+        key = key_base | doc.line
+        clean.append(text, doc.id, doc.source, doc.line, key)
         lines.append(doc.line)
         if dcfg["exact"]:
             exact_rows.append((_hash64(text.encode("utf-8")), key))
@@ -308,6 +317,12 @@ def scan_rank(run: Run, task: int) -> dict:
             batch_line.append(doc.line)
             if len(batch_text) >= _BATCH:
                 flush_minhash()
+    for i, f in enumerate(filters):
+        st = steps[f.name]
+        st.docs_in = sum(stopped[i:])
+        st.bytes_in = sum(stopped_bytes[i:])
+        st.docs_out = st.docs_in - stopped[i]
+        st.bytes_out = st.bytes_in - stopped_bytes[i]
     if hasher is not None:
         flush_minhash()
     clean.close()
@@ -370,17 +385,24 @@ def write_rank(run: Run, task: int) -> dict:
     writer = ParquetShardWriter(shard)
     jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
     kept_docs = kept_bytes = 0
+    active = [n for n in names if enabled[n]]
+    # Most documents are untouched by dedup: they go through as Arrow columns, and only
+    # the documents with a decision become Python objects.
+    touched = np.array(sorted({*drop, *paras}), np.uint64)
     pf = pq.ParquetFile(work / "clean" / f"t{task:05d}.parquet")
     for batch in pf.iter_batches(batch_size=2048):
-        cols = batch.to_pydict()
-        for text, doc_id, source, line, key in zip(
-            cols["text"], cols["id"], cols["source"], cols["line"], cols["key"]
-        ):
+        n = batch.num_rows
+        hit = np.flatnonzero(np.isin(batch.column("key").to_numpy(), touched))
+        keep = np.ones(n, bool)
+        new_text: dict[int, str] = {}
+        rows = batch.take(pa.array(hit, pa.int64())).to_pydict() if len(hit) else None
+        for j, pos in enumerate(hit.tolist()):
+            text, doc_id, source, line, key = (
+                rows[c][j] for c in ("text", "id", "source", "line", "key")
+            )
             nbytes = len(text.encode("utf-8"))
             gone = drop.get(key)
-            for name in names:
-                if not enabled[name]:
-                    continue
+            for name in active:
                 st = steps[name]
                 st.docs_in += 1
                 st.bytes_in += nbytes
@@ -389,6 +411,7 @@ def write_rank(run: Run, task: int) -> dict:
                     kept_id = f"{run.files[kt]}:{kl}"
                     st.drop(gone[1], doc_id, text)
                     removed[name].add(doc_id, source, line, gone[1], text, duplicate_of=kept_id)
+                    keep[pos] = False
                     break
                 if name == "paragraph_dedup" and key in paras:
                     parts = text.split("\n\n")
@@ -396,18 +419,44 @@ def write_rank(run: Run, task: int) -> dict:
                     if not left:
                         st.drop("all_paragraphs_duplicate", doc_id, text)
                         removed[name].add(doc_id, source, line, "all_paragraphs_duplicate", text)
+                        keep[pos] = False
                         break
                     st.removed["duplicate_paragraphs"] += len(parts) - len(left)
                     text = "\n\n".join(left)
+                    new_text[pos] = text
                     nbytes = len(text.encode("utf-8"))
                 st.docs_out += 1
                 st.bytes_out += nbytes
             else:
-                writer.write(text=text, id=doc_id, source=source, line=line)
-                if jsonl is not None:
-                    jsonl.write({"text": text, "id": doc_id, "source": source, "line": line})
-                kept_docs += 1
                 kept_bytes += nbytes
+        plain = np.ones(n, bool)
+        plain[hit] = False
+        lengths = pc.binary_length(batch.column("text")).to_numpy(zero_copy_only=False)
+        plain_bytes = int(lengths[plain].sum())
+        plain_docs = n - len(hit)
+        for name in active:
+            st = steps[name]
+            st.docs_in += plain_docs
+            st.docs_out += plain_docs
+            st.bytes_in += plain_bytes
+            st.bytes_out += plain_bytes
+        kept_bytes += plain_bytes
+        text_col = batch.column("text")
+        if new_text:
+            mask = np.zeros(n, bool)
+            mask[list(new_text)] = True
+            text_col = pc.replace_with_mask(
+                text_col, pa.array(mask), pa.array([new_text[i] for i in sorted(new_text)])
+            )
+        out = pa.table(
+            [text_col, batch.column("id"), batch.column("source"), batch.column("line")],
+            names=["text", "id", "source", "line"],
+        ).filter(pa.array(keep))
+        kept_docs += out.num_rows
+        writer.write_table(out)
+        if jsonl is not None:
+            for rec in out.to_pylist():
+                jsonl.write(rec)
     writer.close()
     if jsonl is not None:
         jsonl.close()

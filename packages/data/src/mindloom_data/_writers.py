@@ -75,27 +75,46 @@ def load_array(path: str | Path, cols: int | None = None, dtype=np.uint64, mmap:
 class ParquetShardWriter:
     """Cleaned documents (text, id, source, line) to one Parquet file, in row groups."""
 
-    def __init__(self, path: str | Path, schema: pa.Schema = SCHEMA, rows_per_group: int = 2048):
+    def __init__(
+        self,
+        path: str | Path,
+        schema: pa.Schema = SCHEMA,
+        rows_per_group: int = 2048,
+        compression: str | None = "zstd",
+    ):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = _tmp(self.path)
         self.schema = schema
         self.rows_per_group = rows_per_group
-        self._cols: dict[str, list] = {n: [] for n in schema.names}
-        self._writer = pq.ParquetWriter(self.tmp, schema, compression="zstd")
+        self._cols: list[list] = [[] for _ in schema.names]
+        self._writer = pq.ParquetWriter(self.tmp, schema, compression=compression or "none")
         self.rows = 0
 
     def write(self, **row) -> None:
-        for k, v in row.items():
-            self._cols[k].append(v)
+        self.append(*(row[n] for n in self.schema.names))
+
+    def append(self, *values) -> None:
+        """One row, values in schema order."""
+        for col, v in zip(self._cols, values):
+            col.append(v)
         self.rows += 1
-        if len(self._cols["text"]) >= self.rows_per_group:
+        if len(self._cols[0]) >= self.rows_per_group:
             self._flush()
 
+    def write_table(self, table: pa.Table) -> None:
+        """Many rows at once (after the rows appended so far); columns by schema name."""
+        self._flush()
+        if table.num_rows:
+            self._writer.write_table(table.select(self.schema.names).cast(self.schema))
+            self.rows += table.num_rows
+
     def _flush(self) -> None:
-        if self._cols["text"]:
-            self._writer.write_table(pa.table(self._cols, schema=self.schema))
-            self._cols = {n: [] for n in self.schema.names}
+        if self._cols[0]:
+            self._writer.write_table(
+                pa.table(dict(zip(self.schema.names, self._cols)), schema=self.schema)
+            )
+            self._cols = [[] for _ in self.schema.names]
 
     def close(self) -> None:
         self._flush()
