@@ -161,3 +161,57 @@ def test_chinese_near_duplicates_use_character_ngrams(tmp_path):
     report = clean(tmp_path / "zh.jsonl", tmp_path / "out")
     assert report["steps"]["minhash_dedup"]["removed"] == {"near_duplicate": 1}
     assert report["output"]["documents"] == 50
+
+
+def test_pairs_near_the_threshold_are_decided_by_their_exact_jaccard(tmp_path):
+    rng = random.Random(5)
+    vocab = _vocab(rng, 20_000)
+    originals = [_doc(rng, vocab, 100) for _ in range(240)]
+    # 2-4 changed words in 100 move Jaccard across 0.7 (about 0.81, 0.73, 0.66), where a
+    # 112-permutation estimate (standard error ~0.04) often lands on the wrong side
+    copies = [_near(rng, vocab, t, 2 + i % 3) for i, t in enumerate(originals)]
+    _write(tmp_path / "in.jsonl", originals + copies)
+    m = MinHasher()
+    sh = [np.unique(x) for x in m.shingle_hashes(originals + copies)]
+    bands = m.band_hashes(m.signatures(originals + copies))
+    n = len(originals)
+    exact = [
+        len(np.intersect1d(sh[i], sh[n + i])) / len(np.union1d(sh[i], sh[n + i])) for i in range(n)
+    ]
+    candidate = [bool((bands[i] == bands[n + i]).any()) for i in range(n)]
+    assert sum(c and 0.66 < j < 0.76 for c, j in zip(candidate, exact)) >= 20  # near the line
+
+    def removed_copies(verify):
+        out = tmp_path / f"out-{verify}"
+        report = clean(
+            tmp_path / "in.jsonl",
+            out,
+            config={
+                "normalize": False,
+                "filters": {
+                    k: False
+                    for k in ("length", "repeated_chars", "garbled", "symbols", "repetition")
+                },
+                "dedup": {"exact": False, "paragraph": False, "minhash": {"verify": verify}},
+            },
+        )
+        lines = {
+            json.loads(x)["line"]
+            for f in (out / "removed/minhash_dedup").glob("*.jsonl")
+            for x in f.read_text().splitlines()
+        }
+        assert all(line > n for line in lines)  # keep-first: only copies go
+        return [n + 1 + i in lines for i in range(n)], report
+
+    got, report = removed_copies(True)
+    want = [c and j >= 0.7 for c, j in zip(candidate, exact)]
+    assert got == want
+    assert report["clusters"]["similar_pairs"] == sum(want)
+    checks = [
+        json.loads(f.read_text()) for f in (tmp_path / "out-True/.work/done/lsh").glob("*.json")
+    ]
+    assert 0 < sum(c["exact_checks"] for c in checks) <= sum(c["candidate_checks"] for c in checks)
+    # the estimate alone gets some of them wrong, both ways
+    est_only, _ = removed_copies(False)
+    assert any(w and not e for w, e in zip(want, est_only))
+    assert any(e and not w for w, e in zip(want, est_only))

@@ -156,8 +156,11 @@ class MinHasher:
 
     def signatures(self, texts: list[str]) -> np.ndarray:
         """(len(texts), num_perm) uint32 MinHash signatures."""
-        shingles = self.shingle_hashes(texts)
-        sigs = np.full((len(texts), self.num_perm), _EMPTY, np.uint32)
+        return self.signatures_of(self.shingle_hashes(texts))
+
+    def signatures_of(self, shingles: list[np.ndarray]) -> np.ndarray:
+        """Signatures from `shingle_hashes` output (to keep the shingles, too)."""
+        sigs = np.full((len(shingles), self.num_perm), _EMPTY, np.uint32)
         lens = np.array([len(s) for s in shingles], np.int64)
         nonempty = np.flatnonzero(lens)
         if len(nonempty) == 0:
@@ -193,3 +196,15 @@ class MinHasher:
 
 def jaccard(a: set, b: set) -> float:
     return len(a & b) / max(1, len(a | b))
+
+
+def standard_error(num_perm: int) -> float:
+    """The largest standard error of a `num_perm` signature's Jaccard estimate (at J=0.5)."""
+    return 0.5 / num_perm**0.5
+
+
+def exact_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard similarity of two sets given as sorted arrays of unique shingle hashes."""
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    union = len(a) + len(b) - inter
+    return inter / union if union else 0.0

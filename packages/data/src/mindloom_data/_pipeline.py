@@ -56,6 +56,7 @@ from mindloom_data._report import StepStats, merge_steps, summary_text
 from mindloom_data._writers import (
     SCHEMA,
     JsonlWriter,
+    NpyAppender,
     ParquetShardWriter,
     atomic_write_bytes,
     atomic_write_json,
@@ -89,6 +90,7 @@ DEFAULTS: dict = {
             "cjk_ngram": 5,
             "seed": 1,
             "threshold": 0.7,
+            "verify": True,
         },
         "paragraph": {"enabled": True, "min_chars": 30},
     },
@@ -242,12 +244,23 @@ def scan_rank(run: Run, task: int) -> dict:
     )
     exact_rows, para_rows, lines = [], [], []
     sig_blocks, lsh_rows = [], []
+    # Shingle hashes of every document, for the exact check of uncertain LSH pairs.
+    verify = hasher is not None and bool(mcfg["threshold"]) and mcfg["verify"]
+    shingle_file = (
+        NpyAppender(work / "sigs" / f"t{task:05d}.shingles.npy", np.uint32) if verify else None
+    )
+    shingle_counts: list[int] = []
     batch_text, batch_line = [], []
 
     def flush_minhash():
         if not batch_text:
             return
-        sig = hasher.signatures(batch_text)
+        shingles = hasher.shingle_hashes(batch_text)
+        sig = hasher.signatures_of(shingles)
+        if verify:
+            for x in shingles:
+                shingle_file.append(x)
+                shingle_counts.append(len(x))
         bands = hasher.band_hashes(sig)
         keys = make_key(task, np.array(batch_line, np.uint64))
         ok = ~(sig == np.uint32(0xFFFFFFFF)).all(axis=1)  # no shingles: never bucketed
@@ -344,6 +357,12 @@ def scan_rank(run: Run, task: int) -> dict:
         save_array(
             work / "sigs" / f"t{task:05d}.lines.npy", np.array(lines, np.uint64).reshape(-1, 1)
         )
+        if verify:
+            shingle_file.close()
+            offsets = np.concatenate([[0], np.cumsum(shingle_counts, dtype=np.uint64)])
+            save_array(
+                work / "sigs" / f"t{task:05d}.offsets.npy", offsets.astype(np.uint64).reshape(-1, 1)
+            )
     for r in removed.values():
         r.close()
     return {"read": rstats.to_dict(), "steps": {k: v.to_dict() for k, v in steps.items()}}
@@ -491,13 +510,19 @@ def _exact(run: Run, p: int):
 
 def _lsh(run: Run, p: int):
     m = run.cfg["dedup"]["minhash"]
-    lsh_stage(
-        run.w(), p, run.tasks, run.partitions, m["threshold"] or 0.0, run.cfg["dedup"]["exact"]
+    return lsh_stage(
+        run.w(),
+        p,
+        run.tasks,
+        run.partitions,
+        m["threshold"] or 0.0,
+        run.cfg["dedup"]["exact"],
+        bool(m["verify"]),
     )
 
 
 def _cluster(run: Run, _rank: int):
-    cluster_stage(run.w(), run.partitions)
+    return cluster_stage(run.w(), run.partitions)
 
 
 def _paragraph(run: Run, p: int):
@@ -663,6 +688,9 @@ def build_report(run: Run) -> dict:
     report["read"]["bad_fraction"] = read.bad_records / total if total else 0.0
     if run.cfg["dedup"]["minhash"]["enabled"]:
         report["clusters"] = _clusters(run)
+        # (the per-partition counts of candidate checks stay in the lsh markers: they
+        # depend on the number of partitions, and the report must not)
+        report["clusters"]["similar_pairs"] = markers("cluster", 1)[0].get("similar_pairs", 0)
     return report
 
 

@@ -59,6 +59,41 @@ def save_array(path: str | Path, arr: np.ndarray) -> None:
     _commit(tmp, path)
 
 
+class NpyAppender:
+    """A 1-D exchange file written in pieces (so it need not fit in memory), then committed.
+
+    The .npy header is rewritten with the final length on `close()`; it has a fixed size
+    so the data does not move.
+    """
+
+    HEADER = 128
+
+    def __init__(self, path: str | Path, dtype):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _tmp(self.path)
+        self.dtype = np.dtype(dtype)
+        self.length = 0
+        self._f = open(self.tmp, "wb")  # noqa: SIM115
+        self._f.write(b"\0" * self.HEADER)
+
+    def append(self, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, self.dtype)
+        self._f.write(arr.tobytes())
+        self.length += len(arr)
+
+    def close(self) -> None:
+        d = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False}
+        d["shape"] = (self.length,)
+        text = repr(d).encode("latin1")
+        pad = self.HEADER - 10 - len(text) - 1
+        header = b"\x93NUMPY\x01\x00" + (self.HEADER - 10).to_bytes(2, "little")
+        self._f.seek(0)
+        self._f.write(header + text + b" " * pad + b"\n")
+        self._f.close()
+        _commit(self.tmp, self.path)
+
+
 def load_array(path: str | Path, cols: int | None = None, dtype=np.uint64, mmap: bool = False):
     """Load an exchange file, checking that it is what the stage that wrote it promised."""
     try:
