@@ -223,17 +223,23 @@ def cmd_launch(args) -> int:
         validate(pcfg, None, world, cfg.training.global_batch_size, cfg.training.micro_batch_size)
     except ParallelConfigError as exc:
         raise CommandError(f"config parallelism: {exc}") from None
-    if p.tp > 1 or p.pp > 1 or p.zero_stage:
-        raise CommandError(
-            f"config parallelism: tp={p.tp} pp={p.pp} zero_stage={p.zero_stage}: `mindloom "
-            "launch` trains plain data parallel only so far (tp = pp = 1, zero_stage = 0)"
-        )
     # tokenizer and datasets are prepared once here, never raced by the workers
     from mindloom_train import _data
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if args.node_rank == 0:
-        _data.prepare_tokenizer(cfg, log)
+        tok = _data.prepare_tokenizer(cfg, log)
+        if not cfg.model.get("init_from_hf"):
+            # the model's numbers (heads, vocabulary, layers) against the layout, still
+            # before any worker starts
+            from mindloom_train._modelcfg import build_model_config
+
+            try:
+                validate(pcfg, build_model_config(cfg, tok.vocab_size), world,
+                         cfg.training.global_batch_size, cfg.training.micro_batch_size,
+                         cfg.train_dataset.seq_length)  # fmt: skip
+            except ParallelConfigError as exc:
+                raise CommandError(f"config parallelism: {exc}") from None
         tok_path = _data.tokenizer_dir(cfg)
         _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok_path, log)
         if cfg.eval_dataset is not None:

@@ -83,29 +83,39 @@ class Trainer:
         self.dp_rank, self.dp_size = 0, 1
         self._fault_spec = fault_spec
         self.groups = None
+        self.pcfg = None
+        self.par = None  # EngineStep when the layout is not plain data parallel
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
     # ------------------------------------------------------------------ setup
 
     def _init_dist(self) -> None:
-        """Under msrun: communicator, this rank's data-parallel coordinates."""
+        """Under msrun: communicator, this rank's coordinates and groups. Plain data parallel
+        keeps the compiled step; tp / pp / ZeRO-1 go through ParallelEngine (PyNative)."""
         self.groups = None
+        self.use_engine = False
         if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
             return
         from mindloom_parallel import ParallelConfig, ParallelConfigError, init_parallel
 
+        from mindloom_train._parallel import effective_pcfg, needs_engine
+
         p = self.cfg.parallelism
-        if p.tp > 1 or p.pp > 1 or p.zero_stage:
-            raise TrainError(
-                f"parallelism tp={p.tp} pp={p.pp} zero_stage={p.zero_stage}: mindloom train runs "
-                "plain data parallel only so far (tp = pp = 1, zero_stage = 0)"
-            )
-        pcfg = ParallelConfig(dp=p.dp, tp=1, pp=1, micro_batch_num=p.micro_batch_num, zero_stage=0)
+        self.use_engine = needs_engine(self.cfg)
+        if self.use_engine:
+            pcfg = effective_pcfg(self.cfg)
+        else:
+            pcfg = ParallelConfig(dp=p.dp, tp=1, pp=1, micro_batch_num=p.micro_batch_num)
         try:
             groups = init_parallel(pcfg)
         except ParallelConfigError as exc:
             raise TrainError(f"config parallelism: {exc}") from None
+        if self.use_engine:
+            import mindspore as ms
+
+            # the engine's pipeline schedule and TP region ops are Python-level
+            ms.set_context(mode=ms.PYNATIVE_MODE)
         self.groups = groups
         self.pcfg = pcfg
         self.rank, self.world = groups.rank, groups.world_size
@@ -177,6 +187,15 @@ class Trainer:
         self.model = model
         self.loss_net = LlamaWithLoss(model)
         self.params = list(model.trainable_params())
+        if self.groups is not None:
+            from mindloom_parallel import ParallelConfigError, validate
+
+            t = self.cfg.training
+            try:
+                validate(self.pcfg, mcfg, self.world, t.global_batch_size, t.micro_batch_size,
+                         self.cfg.train_dataset.seq_length)  # fmt: skip
+            except ParallelConfigError as exc:
+                raise TrainError(f"config parallelism: {exc}") from None
 
     def _build_steps(self) -> None:
         import mindspore as ms
@@ -184,9 +203,23 @@ class Trainer:
         from mindloom_train import _step
 
         cfg = self.cfg
+        self.accum = cfg.grad_accum_steps
+        # MindSpore cells start in inference mode, where nn.Dropout is the identity
+        self.model.set_train(True)
+        if self.use_engine:
+            from mindloom_train._parallel import EngineStep
+
+            self.par = EngineStep(self.model, cfg, self.pcfg, self.groups, self.log)
+            self.train_step = self.accum_step = self.eval_step = None
+            return
+        p = cfg.parallelism
+        if self.groups is None and (p.tp > 1 or p.pp > 1 or p.dp > 1 or p.zero_stage):
+            self.log(
+                f"parallel: one process (no msrun); parallelism dp={p.dp} tp={p.tp} pp={p.pp} "
+                f"zero_stage={p.zero_stage} applies under `mindloom launch`"
+            )
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
-        self.accum = cfg.grad_accum_steps
         grad_red = loss_red = eval_red = None
         if self.groups is not None and self.dp_size > 1:
             from mindloom_parallel import GradReducer
@@ -273,15 +306,26 @@ class Trainer:
         }
 
     def save(self, step: int, reason: str) -> Path | None:
-        if self.rank != 0:  # data parallel: the replicas are identical, rank 0 writes
-            self.last_saved_step = step
-            return None
         t0 = time.perf_counter()
-        shards = {
-            ck.shard_name("model", 0, 1): self._model_tensors(),
-            ck.shard_name("optim", 0, 1): self._opt_tensors(),
-        }
-        metadata = ck.default_metadata(shards, self.world)
+        if self.par is not None:
+            # collective: every rank sends its shards, rank 0 writes them all
+            from mindloom_train._parallel import chunk_metadata
+
+            shards = self.par.gather_shards()
+            if self.rank != 0:
+                self.last_saved_step = step
+                return None
+            metadata = ck.default_metadata({}, self.world)
+            metadata["tensors"], _ = chunk_metadata(self.mcfg, self.pcfg, self.world)
+        else:
+            if self.rank != 0:  # data parallel: the replicas are identical, rank 0 writes
+                self.last_saved_step = step
+                return None
+            shards = {
+                ck.shard_name("model", 0, 1): self._model_tensors(),
+                ck.shard_name("optim", 0, 1): self._opt_tensors(),
+            }
+            metadata = ck.default_metadata(shards, self.world)
         metadata["layout"] = self._layout()
         path = ck.save_checkpoint(
             self.save_path,
@@ -346,13 +390,20 @@ class Trainer:
                     f"({', '.join(f'{k}: {old.get(k)!r} -> {sig[k]!r}' for k in diff)}); "
                     "set checkpoint.override_schedule=true to accept"
                 )
+            # global tensors, whatever layout wrote them (chunks reassembled)
             tensors = ckpt.load_tensors()
-            opt_names = ("exp_avg.", "exp_avg_sq.")
-            weights = {k: v for k, v in tensors.items() if not k.startswith(opt_names)}
-            self._load_params(self.params, weights, where)
-            opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
-            opt = {k: v for k, v in tensors.items() if k.startswith(("exp_avg.", "exp_avg_sq."))}
-            self._load_params(opt_params, opt, where)
+            saved = (ckpt.metadata.get("layout") or {}).get("parallel")
+            if saved:
+                self.log(f"checkpoint: written under layout {saved}")
+            if self.par is not None:
+                self.par.load(tensors, where)
+            else:
+                opt_names = ("exp_avg.", "exp_avg_sq.")
+                weights = {k: v for k, v in tensors.items() if not k.startswith(opt_names)}
+                self._load_params(self.params, weights, where)
+                opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
+                opt = {k: v for k, v in tensors.items() if k.startswith(opt_names)}
+                self._load_params(opt_params, opt, where)
             gbs = cfg.training.global_batch_size
             self.consumed = int(common["consumed_samples"])
             old_gbs = int(common.get("global_batch_size", gbs))
@@ -392,7 +443,10 @@ class Trainer:
             if missing:
                 raise TrainError(f"checkpoint.init_from: {src.path} has no tensor {missing[0]!r}")
             tensors = src.load_tensors(names)
-            self._load_params(self.params, tensors, str(src.path))
+            if self.par is not None:
+                self.par.load_weights(tensors)
+            else:
+                self._load_params(self.params, tensors, str(src.path))
             self.resumed_from = None
             self.log(
                 f"checkpoint: weights from {src.path} (step {src.step}); fresh optimizer state "
@@ -427,10 +481,17 @@ class Trainer:
         loader = self._make_loader(self.eval_data, 0, cfg.training.eval_iters * mbs * self.dp_size,
                                    gbs=mbs * self.dp_size)  # fmt: skip
         losses = []
+        # dropout off while evaluating: the flag is read when a graph compiles, and each
+        # step cell keeps the graph it compiled first, so this only matters then
+        self.model.set_train(False)
         for batch in loader:
+            if self.par is not None:
+                losses.append(self.par.eval_loss(batch))
+                continue
             out = self.eval_step(*self._tensors(batch))
             losses.append(float(out.asnumpy()))
         loader.close()
+        self.model.set_train(True)
         loss = float(np.mean(losses)) if losses else float("nan")
         ppl = math.exp(loss) if loss < 700 else float("inf")
         self.last_eval = (loss, ppl)
@@ -591,14 +652,16 @@ class Trainer:
                 self.fault.maybe_sigterm(step)
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
                 prev_sum = 0.0
-                for _ in range(self.accum - 1):
+                time_up = False
+                for _ in range(self.accum - 1 if self.par is None else 0):
                     batch = next(it)
                     hyper = hyper_vector(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                          weight_decay=o.weight_decay, adam_step=self.adam_step + 1,
                                          clip=t.grad_clip, spike=t.grad_spike_threshold,
                                          loss_scale=self.loss_scale)  # fmt: skip
                     prev_sum += float(self.accum_step(*self._tensors(batch), hyper).asnumpy())
-                batch = next(it)
+                micro = [next(it) for _ in range(self.accum)] if self.par is not None else None
+                batch = micro[-1] if micro is not None else next(it)
                 hyper = hyper_vector(
                     lr=lr,
                     beta1=o.beta1,
@@ -616,11 +679,29 @@ class Trainer:
                     n_micro=self.accum,
                     stop=self._stop_signal is not None,
                 )
-                loss_t, gnorm_t, ok_t, stop_t = self.train_step(*self._tensors(batch), hyper)
-                loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
-                ok = bool(ok_t.asnumpy())
-                if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
-                    self._stop_signal = "SIGTERM (another rank)"
+                if self.par is not None:
+                    over = (
+                        t.time_limit_s is not None and time.perf_counter() - t_loop > t.time_limit_s
+                    )
+                    loss, gnorm, ok, stop_any, time_up = self.par.step(
+                        micro, hyper.asnumpy(), stop=self._stop_signal is not None, time_up=over
+                    )
+                    # decisions that lead to collectives (save, eval, log) use the agreed
+                    # flags, never a signal that reached this rank after the agreement
+                    if stop_any and self._stop_signal is None:
+                        self._stop_signal = "SIGTERM (another rank)"
+                    stop_now = stop_any
+                    window["comm_s"] = window.get("comm_s", 0.0) + self.par.rank_metrics["comm_s"]
+                    window["rank_step_s"] = (
+                        window.get("rank_step_s", 0.0) + self.par.rank_metrics["step_s"]
+                    )
+                else:
+                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(*self._tensors(batch), hyper)
+                    loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
+                    ok = bool(ok_t.asnumpy())
+                    if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
+                        self._stop_signal = "SIGTERM (another rank)"
+                    stop_now = None  # the compiled path reads self._stop_signal as it goes
                 dt = time.perf_counter() - t_step
                 self.step = step
                 self.consumed += gbs
@@ -679,7 +760,9 @@ class Trainer:
                 window["tokens"] += gbs * seq
                 window["step_time"] += dt
                 last = self.step == total_iters
-                if step % cfg.monitor.log_interval == 0 or last or self._stop_signal:
+                if stop_now is None:
+                    stop_now = self._stop_signal is not None
+                if step % cfg.monitor.log_interval == 0 or last or stop_now:
                     self._log_metrics(
                         step, total_iters, loss, lr, gnorm, window, loader, wait0, flops_tok, peak
                     )
@@ -692,7 +775,7 @@ class Trainer:
                 t_pause = time.perf_counter()
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
                     self.evaluate(step)
-                if self._stop_signal:
+                if stop_now if self.par is not None else self._stop_signal:
                     reason = f"{self._stop_signal} received"
                     self.log(f"run: {reason}; saving step {step} and exiting")
                     self._safe_save(step, self._stop_signal)
@@ -703,11 +786,13 @@ class Trainer:
                     and not last
                 ):
                     self._safe_save(step, "interval")
-                if (
-                    t.time_limit_s is not None
-                    and time.perf_counter() - t_loop > t.time_limit_s
-                    and not last
-                ):
+                if self.par is not None:
+                    over = time_up
+                else:
+                    over = (
+                        t.time_limit_s is not None and time.perf_counter() - t_loop > t.time_limit_s
+                    )
+                if over and not last:
                     reason = f"time limit {t.time_limit_s:g}s reached at step {step}"
                     self.log(f"run: {reason}")
                     break
@@ -761,8 +846,32 @@ class Trainer:
         }
         if self.loss_scale != 1.0:
             rec["loss_scale"] = self.loss_scale
+        rec.update(self._comm_fields(window))
         self.metrics.write(rec)
         self.log.progress(progress_text(rec, total), console=self.cfg.monitor.progress_bar)
+
+    def _comm_fields(self, window) -> dict:
+        """Communication time per step and its share of the step, this rank and every rank.
+
+        Measured around each collective where the step runs PyNative (ParallelEngine). The
+        compiled data-parallel step holds its all-reduce inside the graph, where it cannot
+        be timed: null there (benchmarks/parallel.py measures that share). One process: 0.
+        """
+        if self.par is None:
+            if self.world == 1:
+                return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
+                        "comm_share_ranks": [0.0]}  # fmt: skip
+            return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
+                    "comm_share_ranks": None}  # fmt: skip
+        steps = max(window["steps"], 1)
+        ranks = self.par.gather_metrics(window.get("comm_s", 0.0), window.get("rank_step_s", 0.0))
+        share = [c / s if s > 0 else 0.0 for c, s in ranks]
+        return {
+            "comm_s": ranks[self.rank][0] / steps,
+            "comm_share": share[self.rank],
+            "comm_s_ranks": [c / steps for c, _ in ranks],
+            "comm_share_ranks": share,
+        }
 
     def _start_profiler(self):
         try:

@@ -1,0 +1,278 @@
+"""`mindloom launch` under tensor and pipeline parallel layouts (real msrun, 2 CPU workers).
+
+One reference run on one process, one tp=2 launch and one pp=2 launch (2 micro-batches);
+every assertion below reuses them: losses against the one-process run, comm fields in
+metrics.jsonl, checkpoint metadata, and resume of each layout's checkpoint on one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from train_testutil import SCHED, base_config, events, run_config, step_records
+
+STEPS = 4
+SAVE = 2  # the launches save at steps 2 and 4; the resume tests start from step 2
+
+
+def _config(prepared, run: Path, **sections) -> dict:
+    # vocab 66 (the 65-char tokenizer + 1): divisible by tp = 2
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, model={"preset": "debug", "vocab_size": 66},
+                      checkpoint={"save_interval": SAVE, "keep_last": 2})  # fmt: skip
+    cfg["training"]["train_iters"] = STEPS
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _launch(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
+    return subprocess.Popen(
+        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
+         "--timeout", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parallel_launch")
+    out = {"root": root}
+    layouts = {
+        "tp2": {"parallelism": {"tp": 2}},
+        "pp2": {"parallelism": {"pp": 2, "micro_batch_num": 2}, "training": {"micro_batch_size": 2}},
+        "zero1": {"parallelism": {"dp": 2, "zero_stage": 1}, "training": {"micro_batch_size": 2}},
+    }  # fmt: skip
+    # ZeRO-1 run: rank 1 alone sees an infinite gradient and a SIGTERM at step 3
+    faults = {"zero1": "inf_grad@3:1,sigterm@3:1"}
+    procs = {}
+    # the launches at once (each picks its own free port): their start-up overlaps
+    for name, sections in layouts.items():
+        cfg = _config(prepared, root / name, **sections)
+        procs[name] = _launch(cfg, root / f"{name}.yaml", faults.get(name))
+        out[name] = root / name
+        out[name + "_cfg"] = cfg
+    try:
+        # the reference, meanwhile: one process, compiled step, the whole global batch of 4
+        assert run_config(_config(prepared, root / "ref")) == 0
+        out["ref"] = root / "ref"
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=460)  # bounded; launch --timeout kills first
+            assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    finally:
+        for name, proc in procs.items():
+            if proc.poll() is None:  # only after a failed assertion or a timeout
+                _kill_msrun(root / name / "msrun_logs")
+                proc.kill()
+                proc.communicate()
+    return out
+
+
+def _kill_msrun(log_dir: Path) -> None:
+    """Stop the msrun job this test started (found by its own log directory)."""
+    import signal
+
+    needle = f"--log_dir={log_dir.resolve()}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_launch_layout_losses_equal_one_process(runs, layout):
+    got, ref = step_records(runs[layout]), step_records(runs["ref"])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step]["step_loss"] == pytest.approx(ref[step]["step_loss"], rel=1e-5)
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4)
+        assert got[step]["consumed_samples"] == ref[step]["consumed_samples"]
+    start = events(runs[layout], "start")[0]
+    assert start["world_size"] == 2
+    end = events(runs[layout], "end")[-1]
+    assert end["status"] == "completed" and end["step"] == STEPS
+    # the held-out evaluation at the end runs through the split model too (pp2 evaluates
+    # eval_iters batches of its own micro-batch size: other samples than the reference's)
+    ev, ref_ev = events(runs[layout], "eval")[-1], events(runs["ref"], "eval")[-1]
+    if layout == "tp2":
+        assert ev["loss"] == pytest.approx(ref_ev["loss"], rel=1e-4)
+    assert 0 < ev["loss"] < 10
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_launch_metrics_carry_communication_time_per_rank(runs, layout):
+    recs = step_records(runs[layout])
+    for rec in recs.values():
+        assert rec["comm_s"] > 0 and 0 < rec["comm_share"] < 1
+        assert len(rec["comm_share_ranks"]) == 2 and len(rec["comm_s_ranks"]) == 2
+        assert rec["comm_share_ranks"][0] == pytest.approx(rec["comm_share"])
+        assert all(0 < s < 1 for s in rec["comm_share_ranks"])
+    # one process: no communication, said as zeros
+    ref = step_records(runs["ref"])[1]
+    assert ref["comm_s"] == 0.0 and ref["comm_share_ranks"] == [0.0]
+
+
+@pytest.mark.msrun
+def test_tp2_checkpoint_has_global_shapes_and_splits(runs):
+    step_dir = runs["tp2"] / "checkpoints" / "step_00000002"
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    assert meta["layout"]["parallel"] == {"dp": 1, "tp": 2, "pp": 1}
+    wq = meta["tensors"]["layers.0.attn.wq.weight"]
+    assert wq["global_shape"] == [64, 64] and wq["split"]["tp_axis"] == 0
+    assert [c["offset"] for c in wq["chunks"]] == [[0, 0], [32, 0]]
+    assert len({c["file"] for c in wq["chunks"]}) == 2  # one file per tensor-parallel rank
+    wo = meta["tensors"]["layers.0.attn.wo.weight"]
+    assert wo["split"]["tp_axis"] == 1 and [c["offset"] for c in wo["chunks"]] == [[0, 0], [0, 32]]
+    norm = meta["tensors"]["norm.weight"]
+    assert norm["split"]["tp_axis"] is None and len(norm["chunks"]) == 1
+    m = meta["tensors"]["exp_avg.layers.1.mlp.w1.weight"]  # AdamW moments split like weights
+    assert m["global_shape"] == [128, 64] and [c["offset"] for c in m["chunks"]] == [
+        [0, 0],
+        [64, 0],
+    ]
+    common = json.loads((step_dir / "common.json").read_text())
+    assert common["consumed_samples"] == SAVE * 4 and common["world_size"] == 2
+
+
+def _resume_one_process(runs, layout: str, tmp_path: Path) -> Path:
+    """Copy the layout's step-2 checkpoint into a fresh save path and continue it with
+    `mindloom train` on ONE process (same config file, no msrun)."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    shutil.copytree(runs[layout] / "checkpoints" / "step_00000002", save / "step_00000002")
+    (save / "latest").write_text(f"{SAVE}\n")
+    cfg = dict(runs[layout + "_cfg"])
+    cfg["run_dir"] = str(tmp_path / "resumed")
+    cfg["checkpoint"] = {**cfg["checkpoint"], "save_path": str(save), "resume": "required"}
+    path = tmp_path / "resume.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    from mindloom_train._cli import main
+
+    assert main(["train", str(path)]) == 0
+    return tmp_path / "resumed"
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_layout_checkpoint_resumes_on_one_process(runs, layout, tmp_path):
+    resumed = _resume_one_process(runs, layout, tmp_path)
+    got, ref = step_records(resumed), step_records(runs["ref"])
+    assert sorted(got) == list(range(SAVE + 1, STEPS + 1))
+    for step in got:
+        assert got[step]["step_loss"] == pytest.approx(ref[step]["step_loss"], rel=1e-5)
+        assert got[step]["consumed_samples"] == ref[step]["consumed_samples"]
+    assert events(resumed, "start")[0]["resumed_from"].endswith("step_00000002")
+    # the one-process checkpoint at the end holds the same weights as the launch's
+    from mindloom_train._checkpoint import open_checkpoint
+
+    a = open_checkpoint(tmp_path / "ckpt").load_tensors()
+    b = open_checkpoint(runs[layout] / "checkpoints").load_tensors()
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.msrun
+def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
+    """dp=2 with ZeRO-1 (each rank keeps AdamW state for half the parameters) trains the
+    one-process model; a fault on rank 1 alone (an infinite gradient and a SIGTERM at step
+    3) makes BOTH ranks skip that update and stop after it, with a checkpoint."""
+    got, ref = step_records(runs["zero1"]), step_records(runs["ref"])
+    assert sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):  # step 3's loss is computed before its update is skipped
+        assert got[step]["step_loss"] == pytest.approx(ref[step]["step_loss"], rel=1e-5)
+    assert got[2]["grad_norm"] == pytest.approx(ref[2]["grad_norm"], rel=1e-4)
+    assert got[3]["skipped_steps"] == 1 and got[3]["grad_norm"] is None
+    anomaly = events(runs["zero1"], "anomaly")  # written by rank 0, whose own grads were finite
+    assert [(a["step"], a["kind"], a["action"]) for a in anomaly] == [
+        (3, "nonfinite_grad", "skipped")
+    ]
+    end = events(runs["zero1"], "end")[-1]
+    assert end["status"] == "stopped" and end["step"] == 3 and "another rank" in end["reason"]
+    from mindloom_train._checkpoint import open_checkpoint, read_tracker
+
+    assert read_tracker(runs["zero1"] / "checkpoints") == 3
+    # the skipped update left the weights of step 2: the same as the reference's step-2 save
+    a = open_checkpoint(runs["zero1"] / "checkpoints" / "step_00000003").load_tensors()
+    b = open_checkpoint(runs["ref"] / "checkpoints" / "step_00000002").load_tensors()
+    assert set(a) == set(b)
+    for name in a:  # weights and the (gathered) ZeRO-1 AdamW moments
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_launch_refuses_a_layout_the_model_does_not_fit(prepared, tmp_path, capsys):
+    """tp=2 with the 65-id vocabulary: refused in one line before any worker starts."""
+    from mindloom_train._cli import main
+
+    cfg = base_config(prepared, tmp_path / "bad", parallelism={"tp": 2})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["launch", "--nproc", "2", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: config parallelism: model.vocab_size = 65 is not divisible by parallelism.tp = 2"
+    )
+    assert not (tmp_path / "bad" / "msrun_logs").exists()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_checkpoint_of_a_4_rank_layout_loads_global_tensors(tmp_path, tied):
+    """The files and metadata a dp2 x tp2 x pp2 run writes (no msrun needed: each rank's
+    shards cut with mindloom_parallel.rank_state) load back as the full tensors."""
+    from mindloom_model import get_preset
+    from mindloom_parallel import ParallelConfig, rank_state, shard_tensor, tensor_layout
+    from mindloom_parallel._groups import rank_coords
+    from mindloom_train import _checkpoint as ck
+    from mindloom_train._parallel import chunk_metadata, zero_owners
+
+    mcfg = get_preset("debug", num_layers=4, tie_embeddings=tied)
+    pcfg = ParallelConfig(dp=2, tp=2, pp=2, micro_batch_num=2)
+    rng = np.random.default_rng(0)
+    layout = tensor_layout(mcfg, pcfg)
+    full = {n: rng.standard_normal(s.global_shape).astype(np.float32) for n, s in layout.items()}
+    full.update(
+        {f"{k}.{n}": v * 0.5 for n, v in list(full.items()) for k in ("exp_avg", "exp_avg_sq")}
+    )
+    tensors, files = chunk_metadata(mcfg, pcfg, world=8)
+    assert sorted(files) == [0, 1, 4, 5]  # dp rank 0 of every (tp, pp) pair
+    shards = {}
+    for r, (mfile, ofile) in files.items():
+        assert rank_coords(r, pcfg)[0] == 0
+        local = rank_state(full, mcfg, pcfg, r)
+        shards[mfile] = local
+        tp_rank = rank_coords(r, pcfg)[1]
+        shards[ofile] = {
+            f"{k}.{n}": shard_tensor(full[f"{k}.{n}"], layout[n], tp_rank, 2)
+            for n in local
+            for k in ("exp_avg", "exp_avg_sq")
+        }
+    meta = ck.default_metadata({}, 8)
+    meta["tensors"] = tensors
+    ck.save_checkpoint(tmp_path, 5, shards, {"consumed_samples": 40}, metadata=meta)
+    loaded = ck.open_checkpoint(tmp_path).load_tensors()
+    assert set(loaded) == set(full)
+    for n, v in full.items():
+        np.testing.assert_array_equal(loaded[n], v, err_msg=n)
+    # ZeRO-1 ownership: every parameter has exactly one owner, the load is balanced
+    sizes = [int(np.prod(s.local_shape(2))) for s in layout.values()]
+    owners = zero_owners(sizes, 2)
+    load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1)]
+    assert set(owners) == {0, 1} and abs(load[0] - load[1]) <= max(sizes)
