@@ -7,9 +7,11 @@ from mindloom_model._llama import (
     Llama,
     LlamaWithLoss,
     ModelConfig,
+    attention_bias,
     causal_lm_loss,
     get_preset,
     preset_names,
+    rope_cos_sin,
 )
 
 __all__ = [
@@ -18,10 +20,12 @@ __all__ = [
     "LlamaWithLoss",
     "ModelConfig",
     "__version__",
+    "attention_bias",
     "causal_lm_loss",
     "generate",
     "get_preset",
     "load_hf",
     "preset_names",
+    "rope_cos_sin",
     "save_hf",
 ]

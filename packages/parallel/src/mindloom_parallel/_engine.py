@@ -11,6 +11,7 @@ import time
 
 import mindspore as ms
 import numpy as np
+from mindloom_model import attention_bias, rope_cos_sin
 from mindspore import Tensor, nn, ops
 
 from mindloom_parallel._comm import all_reduce, comm_stats, exchange
@@ -35,8 +36,6 @@ class _Stage(nn.Cell):
         self.loss_sum = loss_sum
 
     def construct(self, x, position_ids, segment_ids, labels, loss_mask, denom):
-        from mindloom_model._llama import attention_bias, rope_cos_sin
-
         m = self.model
         s = position_ids.shape[1]
         cos, sin = rope_cos_sin(position_ids, m.inv_freq)
@@ -273,6 +272,38 @@ class ParallelEngine:
             elif kind == "send_bwd":
                 exchange(input_grads.pop(0), None, dtype, g.pp_prev)
         return total, acc
+
+    def eval_loss(self, batch: dict) -> float:
+        """Forward only: the mean loss over every unmasked token of the global batch (this
+        rank's slice, any multiple of ``micro_batch_size`` samples), the same on every rank.
+        Activations flow stage to stage micro-batch by micro-batch; nothing is taped."""
+        g = self.groups
+        n, b = batch["tokens"].shape[0], self.micro_batch_size
+        if n % b:
+            raise ParallelConfigError(
+                f"rank {g.rank}: an eval batch of {n} samples is not a multiple of "
+                f"micro_batch_size = {b}"
+            )
+        mask = batch.get("loss_mask")
+        local_tokens = float(
+            np.prod(batch["labels"].shape) if mask is None else np.asarray(mask, np.float64).sum()
+        )
+        denom = all_reduce(Tensor(np.array([local_tokens], np.float32)), g.dp, timed=False)
+        denom = ops.maximum(denom.reshape(()), ops.ones((), ms.float32))
+        self._seq = batch["tokens"].shape[1]
+        shape, dtype = self._act_shape(), self.model.compute_dtype
+        total = ops.zeros((), ms.float32)
+        for i in range(n // b):
+            mb = self._micro(batch, i)
+            x = mb["tokens"] if g.is_first_stage else exchange(None, shape, dtype, g.pp_prev)
+            out = self._forward_only(x, mb, denom)
+            if g.is_last_stage:
+                total = total + out
+            else:
+                exchange(out, None, dtype, g.pp_next)
+        loss = all_reduce(total.reshape((1,)), g.dp, timed=False)
+        loss = all_reduce(loss, g.pp, timed=False)
+        return float(loss.asnumpy()[0])
 
     # ------------------------------------------------------------------ helpers
 
