@@ -3,9 +3,10 @@
     ./dev bench benchmarks/train_step.py [--presets shakespeare-char,17m] [--steps 10]
         [--threads 2] [--batch-shakespeare-char 12] [--batch-17m 4]
 
-For each preset: MindSpore GRAPH_MODE `TrainOneStepCell` (LlamaWithLoss +
-nn.AdamWeightDecay) and the same architecture written in PyTorch eager (SDPA attention,
-torch.optim.AdamW), same batch (packed: several documents per row with segment ids and
+For each preset: the compiled step `mindloom train` runs (mindloom_train's TrainStep:
+LlamaWithLoss, global grad-norm clipping at 1.0, the non-finite/spike guard and AdamW
+with bias correction, one GRAPH_MODE graph) and the same architecture written in
+PyTorch eager (SDPA attention, clip_grad_norm_(1.0), torch.optim.AdamW), same batch (packed: several documents per row with segment ids and
 restarting position ids), same thread count, steps interleaved A/B/A/B in one process,
 medians reported. MFU is against the machine's fp32 matmul ceiling, measured here as
 the best square matmul (256..2048) in NumPy, torch and MindSpore at the same thread
@@ -201,8 +202,10 @@ def matmul_ceiling(reps=5):
 
 def bench_preset(name, batch, args, ceiling):
     import torch
+    import mindspore as ms
     from mindloom_model import Llama, LlamaWithLoss, get_preset
-    from mindspore import Tensor, nn
+    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindspore import Tensor
 
     cfg = get_preset(name)
     data = make_batch(cfg, batch, segments=not args.no_segments)
@@ -210,9 +213,11 @@ def bench_preset(name, batch, args, ceiling):
     flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
 
     net = LlamaWithLoss(Llama(cfg))
-    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-4, weight_decay=0.1)
-    step = nn.TrainOneStepCell(net, opt)
+    weights = ms.ParameterTuple(net.trainable_params())
+    step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
     step.set_train(True)
+    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
     keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
     ms_in = [Tensor(data[k]) for k in keys]
 
@@ -225,12 +230,13 @@ def bench_preset(name, batch, args, ceiling):
     ]
 
     def ms_step():
-        return float(step(*ms_in).asnumpy())
+        return float(step(*ms_in, hyper)[0].asnumpy())
 
     def torch_step():
         topt.zero_grad(set_to_none=True)
         loss = tm(*t_in)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
         topt.step()
         return loss.item()
 
