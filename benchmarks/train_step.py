@@ -201,8 +201,8 @@ def matmul_ceiling(reps=5):
 
 
 def bench_preset(name, batch, args, ceiling):
-    import torch
     import mindspore as ms
+    import torch
     from mindloom_model import Llama, LlamaWithLoss, get_preset
     from mindloom_train._step import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
