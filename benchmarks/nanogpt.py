@@ -244,9 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=["mindloom", "nanogpt"], default=None)
+    parser.add_argument(
+        "--omp-wait",
+        choices=("passive", "active"),
+        default="passive",
+        help="OMP_WAIT_POLICY: torch's spinning OpenMP threads collapse on a shared machine",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    # set before torch starts its thread pool (benchmarks/train_step.py does the same)
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")  # fmt: skip
     from mindloom_data import bundled_corpus
 
     text = bundled_corpus().read_text(encoding="utf-8")
@@ -272,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         m, t = results["mindloom (MindSpore)"], results["nanoGPT (PyTorch)"]
         print(f"\nmindloom / nanoGPT: tokens/s x{m['tokens_per_s'] / t['tokens_per_s']:.2f}, "
               f"wall time x{t['wall_s'] / m['wall_s']:.2f} faster")  # fmt: skip
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print("(machine: shared 2-core CPU; figures are noisy, see the README)")
     return 0
 
