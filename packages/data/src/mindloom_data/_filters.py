@@ -255,10 +255,17 @@ class RepetitionFilter(Filter):
 
     def _ngrams(self, info):
         units = info.units
-        # Exact shortcuts in plain Python, which beat numpy on typical (short) documents:
-        # an n-gram seen c times contains each of its units at least c times, so its
-        # characters times c are at most n times the largest count * length of a unit;
-        # and with no repeated n-gram for the smallest n, there is none for larger n.
+        # Exact shortcuts in plain Python, which beat numpy on typical (short) documents.
+        # Every rule needs an n-gram that occurs twice, and with no repeated n-gram for
+        # the smallest n there is none for larger n: most short documents stop here (in
+        # long ones some bigram nearly always repeats, so the test would be wasted).
+        sizes = [*self.top_ngram, *self.dup_ngram]
+        if not sizes or len(units) <= min(sizes):
+            return None
+        if len(units) <= _SHORT and not _repeats(units, min(sizes)):
+            return None
+        # An n-gram seen c times contains each of its units at least c times, so its
+        # characters times c are at most n times the largest count * length of a unit.
         top = [(n, limit) for n, limit in sorted(self.top_ngram.items()) if len(units) > n]
         if top:
             counts = Counter(units)
@@ -269,9 +276,8 @@ class RepetitionFilter(Filter):
             top = [(n, limit) for n, limit in top if n * most / total > limit]
         n0 = min(self.dup_ngram, default=0)
         dup = bool(self.dup_ngram) and len(units) > n0
-        if dup:
-            grams = len(units) - n0 + 1
-            dup = len(set(zip(*(units[i : i + grams] for i in range(n0))))) < grams
+        if dup and n0 > min(sizes):
+            dup = _repeats(units, n0)
         if not top and not dup:
             return None
         return self._ngrams_numpy(info, dict(top), dup)
@@ -325,6 +331,15 @@ class RepetitionFilter(Filter):
             if frac <= min(self.dup_ngram.values()):
                 break  # coverage only shrinks as n grows
         return None
+
+
+_SHORT = 400  # units; measured: the no-repeat test pays off below, not in ~1,000-unit texts
+
+
+def _repeats(units: list[str], n: int) -> bool:
+    """Whether some n-gram of `units` occurs more than once."""
+    grams = len(units) - n + 1
+    return len(set(zip(*(units[i : i + grams] for i in range(n))))) < grams
 
 
 FILTERS = {
