@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field, fields
+from itertools import pairwise
 from operator import mul
 
 import numpy as np
@@ -170,7 +171,9 @@ class SymbolFilter(Filter):
 
     def check(self, text, info):
         n = max(1, len(info.units))
-        symbols = text.count("#") + text.count("...") + text.count("\u2026")
+        symbols = text.count("#") + text.count("...")
+        if not info.ascii:
+            symbols += text.count("\u2026")
         if symbols / n > self.max_symbol_ratio:
             return "symbol_ratio"
         if self.min_alpha_fraction > 0:
@@ -231,7 +234,7 @@ class RepetitionFilter(Filter):
         return r
 
     def check(self, text, info):
-        r = self._dup_blocks(text.split("\n"), "line")
+        r = self._dup_blocks(text.split("\n"), "line") if "\n" in text else None
         if r is None and "\n\n" in text:
             r = self._dup_blocks(text.split("\n\n"), "para")
         if r is None:
@@ -338,6 +341,8 @@ _SHORT = 400  # units; measured: the no-repeat test pays off below, not in ~1,00
 
 def _repeats(units: list[str], n: int) -> bool:
     """Whether some n-gram of `units` occurs more than once."""
+    if n == 2:
+        return len(set(pairwise(units))) < len(units) - 1
     grams = len(units) - n + 1
     return len(set(zip(*(units[i : i + grams] for i in range(n))))) < grams
 

@@ -285,6 +285,7 @@ def scan_rank(run: Run, task: int) -> dict:
     stopped_bytes = [0] * (len(filters) + 1)
     nst = steps["normalize"]
     key_base = task << LINE_BITS
+    exact_on, para_on, para_min = dcfg["exact"], pcfg["enabled"], pcfg["min_chars"]
     for doc in iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"]):
         text = doc.text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
@@ -319,11 +320,11 @@ def scan_rank(run: Run, task: int) -> dict:
         key = key_base | doc.line
         clean.append(text, doc.id, doc.source, doc.line, key)
         lines.append(doc.line)
-        if dcfg["exact"]:
+        if exact_on:
             exact_rows.append((_hash64(text.encode("utf-8")), key))
-        if pcfg["enabled"]:
+        if para_on:
             for pno, para in enumerate(text.split("\n\n")):
-                if len(para) >= pcfg["min_chars"]:
+                if len(para) >= para_min:
                     para_rows.append((_hash64(para.encode("utf-8")), key, pno))
         if hasher is not None:
             batch_text.append(text)
