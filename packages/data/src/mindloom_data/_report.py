@@ -95,8 +95,7 @@ def summary_text(report: dict) -> str:
     c = report.get("clusters")
     if c and c["count"]:
         lines.append(
-            f"near-duplicate clusters: {c['count']} (largest {c['largest'][0]['size'] if c['largest'] else 0} docs, "
-            f"from {c.get('similar_pairs', '?')} pairs at or above the threshold)"
+            f"near-duplicate clusters: {c['count']} (largest {c['largest'][0]['size'] if c['largest'] else 0} docs)"
         )
         for cl in c["largest"][:3]:
             lines.append(f"  kept {cl['kept']} removed {cl['size'] - 1}, e.g. {cl['members'][:2]}")
