@@ -341,8 +341,9 @@ def main(argv=None) -> int:
             f"\n{len(truth.true)} planted pairs have exact Jaccard >= {TAU}; plain 14x8 LSH "
             f"finds each with its S-curve probability, {truth.lsh_bound():.3f} of them on average"
         )
-    print(f"\n{'method':<17} {'docs/cpu-s':>11} {'docs/wall-s':>12} {'removed':>8} "
-          f"{'precision':>10} {'recall':>8}")  # fmt: skip
+    if methods:
+        print(f"\n{'method':<17} {'docs/cpu-s':>11} {'docs/wall-s':>12} {'removed':>8} "
+              f"{'precision':>10} {'recall':>8}")  # fmt: skip
     rate = {}
     for name in methods:
         c = statistics.median(cpu[name])
