@@ -218,6 +218,8 @@ def _native_exchange(send, recv_shape, recv_dtype, pair: Group):  # pragma: no c
 # ----------------------------------------------------------------------- autodiff-aware
 # Tensor-parallel regions (Megatron's f / g and their sequence-parallel versions). Each is a
 # Cell with a custom bprop so the backward communication is the transpose of the forward.
+# PyNative runs a bprop as Python, so its collective is timed into comm_stats like the
+# forward's (the per-step communication share then includes the backward).
 
 
 class CopyToTP(nn.Cell):
@@ -231,7 +233,7 @@ class CopyToTP(nn.Cell):
         return x
 
     def bprop(self, x, out, dout):
-        return (all_reduce(dout, self.group, timed=False),)
+        return (all_reduce(dout, self.group),)
 
 
 class ReduceFromTP(nn.Cell):
@@ -260,7 +262,7 @@ class GatherSeq(nn.Cell):
         return all_gather(x, self.group, self.axis)
 
     def bprop(self, x, out, dout):
-        return (reduce_scatter(dout, self.group, self.axis, timed=False),)
+        return (reduce_scatter(dout, self.group, self.axis),)
 
 
 class ReduceScatterSeq(nn.Cell):
@@ -275,4 +277,4 @@ class ReduceScatterSeq(nn.Cell):
         return reduce_scatter(x, self.group, self.axis)
 
     def bprop(self, x, out, dout):
-        return (all_gather(dout, self.group, self.axis, timed=False),)
+        return (all_gather(dout, self.group, self.axis),)
