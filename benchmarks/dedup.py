@@ -1,6 +1,7 @@
 """MinHash near-duplicate removal: mindloom vs datatrove vs a naive datasketch loop.
 
     ./dev bench benchmarks/dedup.py [--docs 50000] [--rounds 2] [--no-datatrove]
+        [--methods mindloom,naive,datatrove] [--no-verify] [--skip-clean | --only-clean]
 
 One corpus, generated plus real: the paragraphs of tiny Shakespeare (bundled with
 mindloom-data) and synthetic documents drawn from Shakespeare's word stream, with planted
@@ -107,6 +108,7 @@ def build_corpus(root: Path, n_docs: int, seed: int = 0):
 
 
 THRESHOLD = 0.7
+VERIFY = True
 
 
 def run_mindloom(corpus: Path, out: Path, where) -> list[tuple[int, int]]:
@@ -117,7 +119,11 @@ def run_mindloom(corpus: Path, out: Path, where) -> list[tuple[int, int]]:
         "filters": {
             k: False for k in ("length", "repeated_chars", "garbled", "symbols", "repetition")
         },
-        "dedup": {"exact": False, "paragraph": False, "minhash": {"threshold": THRESHOLD}},
+        "dedup": {
+            "exact": False,
+            "paragraph": False,
+            "minhash": {"threshold": THRESHOLD, "verify": VERIFY},
+        },
         "output": {"removed": True},
     }
     clean(corpus, out, config=cfg, workers=1, progress=False)
@@ -299,6 +305,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-datatrove", action="store_true")
     ap.add_argument("--workdir", default="/tmp/mindloom-bench-dedup")
     ap.add_argument("--threshold", type=float, default=0.7, help="mindloom's signature check")
+    ap.add_argument(
+        "--no-verify", action="store_true", help="mindloom without the exact check (estimate only)"
+    )
+    ap.add_argument("--methods", default="mindloom,naive,datatrove", help="comma-separated")
     ap.add_argument("--skip-clean", action="store_true")
     ap.add_argument("--only-clean", action="store_true", help="just the cleaning figures")
     args = ap.parse_args(argv)
@@ -312,9 +322,13 @@ def main(argv=None) -> int:
         f"corpus: {len(docs)} docs ({n_real} real Shakespeare paragraphs), {size / 1e6:.1f} MB, "
         f"{len(planted)} planted duplicates; os.cpu_count()={os.cpu_count()}, single process"
     )
+    global VERIFY
+    VERIFY = not args.no_verify
+    wanted = set(args.methods.split(","))
     methods = {"mindloom": run_mindloom, "naive datasketch": run_naive}
     if not args.no_datatrove:
         methods["datatrove"] = run_datatrove
+    methods = {k: v for k, v in methods.items() if k.split()[0] in wanted}
     if args.only_clean:
         methods = {}
     cpu = {m: [] for m in methods}
@@ -355,7 +369,7 @@ def main(argv=None) -> int:
             f"{p:>10.3f} {rc:>8.3f}"
         )
     for name in methods:
-        if name != "mindloom":
+        if name != "mindloom" and "mindloom" in rate:
             print(f"mindloom / {name}: {rate['mindloom'] / rate[name]:.1f}x docs per cpu-second")
     if "mindloom" in pairs:
         # Where mindloom's misses come from: a true pair that shares no LSH band with
