@@ -200,7 +200,8 @@ def test_chunked_encoding_equals_whole_encoding(tok_dir):
 
 def test_sigkill_halfway_then_rerun_is_byte_identical(tmp_path, tok_dir):
     big = tmp_path / "big.txt"
-    big.write_text(bundled_corpus().read_text(), encoding="utf-8")
+    # 3 MB: enough work (~0.5 s) to be caught halfway now that tokenizing is faster
+    big.write_text(bundled_corpus().read_text() * 3, encoding="utf-8")
     ref = str(tmp_path / "ref")
     tokenize(str(big), tok_dir, ref)
     out = str(tmp_path / "out")
