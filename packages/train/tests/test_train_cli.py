@@ -37,6 +37,27 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert exc.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
+def test_a_too_small_tokenizer_vocab_is_a_config_error(tmp_path, capsys):
+    # the bundled corpus' characters need 320 pieces; 256 must stop the run with one line
+    # naming the key, not a traceback from the tokenizer trainer
+    cfg = {
+        "model": {"preset": "debug", "vocab_size": None},
+        "tokenizer": {"train_input": "bundled", "model_type": "bpe", "vocab_size": 256},
+        "train_dataset": {"text_input": "bundled", "seq_length": 32},
+        "training": {"train_iters": 2, "global_batch_size": 4, "micro_batch_size": 4},
+        "lr_scheduler": {"warmup_iters": 1},
+        "monitor": {"progress_bar": False},
+        "run_dir": str(tmp_path / "run"),
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path)]) != 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "tokenizer.vocab_size=256" in lines[0], err[-1500:]
+    assert "Traceback" not in err
+
+
 def test_export_hf_loads_in_transformers(run_a, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

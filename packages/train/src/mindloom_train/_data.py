@@ -32,12 +32,15 @@ def _has_tokenizer(path: Path) -> bool:
 
 
 def prepare_tokenizer(cfg: Config, log) -> Any:
-    from mindloom_tokenizer import Tokenizer, train_tokenizer
+    from mindloom_tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
     path = tokenizer_dir(cfg)
     t = cfg.tokenizer
     if _has_tokenizer(path):
-        return Tokenizer.load(path)
+        try:
+            return Tokenizer.load(path)
+        except TokenizerError as exc:
+            raise ConfigError(f"config key tokenizer.path: {exc}") from None
     if not t.train_input:
         raise ConfigError(f"config key tokenizer.path: no tokenizer in {path} and no train_input")
     src = resolve_input(t.train_input)
@@ -45,7 +48,11 @@ def prepare_tokenizer(cfg: Config, log) -> Any:
     kwargs: dict[str, Any] = {"seed": cfg.seed}
     if not t.special_tokens:
         kwargs.update(unk_id=-1, bos_id=-1, eos_id=-1, pad_id=-1)
-    return train_tokenizer(src, path, t.vocab_size, t.model_type, **kwargs)
+    try:
+        return train_tokenizer(src, path, t.vocab_size, t.model_type, **kwargs)
+    except TokenizerError as exc:
+        # e.g. a vocab_size below what the corpus' characters need: a config problem
+        raise ConfigError(f"config key tokenizer.vocab_size={t.vocab_size}: {exc}") from None
 
 
 def _write_if_changed(path: Path, data: bytes) -> None:
