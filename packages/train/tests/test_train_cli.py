@@ -115,6 +115,10 @@ def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(prepared
     for step in (1, 2, 3):
         assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5)
         assert dp[step]["consumed_samples"] == a[step]["consumed_samples"]
+        # the compiled step's all-reduce, timed through the probe on every rank
+        assert dp[step]["comm_s"] > 0 and 0 < dp[step]["comm_share"] <= 1
+        assert len(dp[step]["comm_s_ranks"]) == 2 and all(c > 0 for c in dp[step]["comm_s_ranks"])
+        assert dp[step]["comm_share_ranks"][0] == pytest.approx(dp[step]["comm_share"])
     end = [r for r in read_metrics(tmp_path / "dp") if r.get("event") == "end"][-1]
     assert end["status"] == "stopped" and end["step"] == 3 and "another rank" in end["reason"]
     assert read_tracker(tmp_path / "dp" / "checkpoints") == 3

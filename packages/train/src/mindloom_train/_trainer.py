@@ -228,6 +228,15 @@ class Trainer:
             grad_red = GradReducer(self.params, dp, cfg.parallelism.bucket_size_mb, mean=True)
             loss_red = _step.MeanOver(dp.name, dp.size)
             eval_red = _step.MeanOver(dp.name, dp.size)
+            # The step's all-reduce runs inside the compiled graph, where the host cannot
+            # time it; this probe is the same reducer (same buckets, group and bytes) in
+            # a graph of its own, timed at deterministic log steps (see _comm_fields).
+            # Compiled and warmed up here, where every rank passes at the same time.
+            self.comm_probe = GradReducer(
+                self.params, dp, cfg.parallelism.bucket_size_mb, mean=True
+            )
+            self._probe_grads = tuple(ms.Tensor(np.zeros(p.shape, np.float32)) for p in self.params)
+            self.comm_probe(self._probe_grads)[0].asnumpy()
         self.train_step = _step.TrainStep(
             self.loss_net, weights, flags, self.accum, grad_red, loss_red
         )
@@ -846,23 +855,31 @@ class Trainer:
         }
         if self.loss_scale != 1.0:
             rec["loss_scale"] = self.loss_scale
-        rec.update(self._comm_fields(window))
+        probe = step % self.cfg.monitor.log_interval == 0 or step == total
+        rec.update(self._comm_fields(window, probe))
         self.metrics.write(rec)
         self.log.progress(progress_text(rec, total), console=self.cfg.monitor.progress_bar)
 
-    def _comm_fields(self, window) -> dict:
+    def _comm_fields(self, window, probe: bool = True) -> dict:
         """Communication time per step and its share of the step, this rank and every rank.
 
         Measured around each collective where the step runs PyNative (ParallelEngine). The
         compiled data-parallel step holds its all-reduce inside the graph, where it cannot
-        be timed: null there (benchmarks/parallel.py measures that share). One process: 0.
+        be timed; there `comm_probe` (the same reducer on the same bytes, its own graph)
+        is timed instead, only at log steps every rank reaches (`probe`): a log forced by
+        a signal on one rank must not start a collective the others never join; such a
+        record repeats the last probe. One process: 0.
         """
         if self.par is None:
             if self.world == 1:
                 return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
                         "comm_share_ranks": [0.0]}  # fmt: skip
-            return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
-                    "comm_share_ranks": None}  # fmt: skip
+            if getattr(self, "comm_probe", None) is None:
+                return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
+                        "comm_share_ranks": None}  # fmt: skip
+            if probe or not hasattr(self, "_last_comm"):
+                self._last_comm = self._probe_comm(window)
+            return self._last_comm
         steps = max(window["steps"], 1)
         ranks = self.par.gather_metrics(window.get("comm_s", 0.0), window.get("rank_step_s", 0.0))
         share = [c / s if s > 0 else 0.0 for c, s in ranks]
@@ -870,6 +887,24 @@ class Trainer:
             "comm_s": ranks[self.rank][0] / steps,
             "comm_share": share[self.rank],
             "comm_s_ranks": [c / steps for c, _ in ranks],
+            "comm_share_ranks": share,
+        }
+
+    def _probe_comm(self, window) -> dict:
+        from mindloom_parallel._comm import all_gather
+        from mindspore import Tensor
+
+        t0 = time.perf_counter()
+        self.comm_probe(self._probe_grads)[0].asnumpy()
+        comm = time.perf_counter() - t0
+        step_s = window["step_time"] / max(window["steps"], 1)
+        mine = Tensor(np.array([[comm, step_s]], np.float32))
+        ranks = all_gather(mine, self.groups.world, 0, timed=False).asnumpy()
+        share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
+        return {
+            "comm_s": comm,
+            "comm_share": share[self.rank],
+            "comm_s_ranks": [float(c) for c, _ in ranks],
             "comm_share_ranks": share,
         }
 
