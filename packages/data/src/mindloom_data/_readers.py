@@ -184,14 +184,7 @@ def iter_file(
     stats = ReadStats() if stats is None else stats
     if txt_mode not in TXT_MODES:
         raise ValueError(f"txt_mode must be one of {TXT_MODES}, got {txt_mode!r}")
-    stats.files += 1
-    try:
-        if os.path.getsize(path) == 0:
-            stats.bad("empty_file", path, None)
-            return
-    except OSError as exc:
-        stats.bad("unreadable_file", path, None)
-        _note(stats, path, exc)
+    if not _count_file(path, stats):
         return
     if path.endswith(".parquet"):
         yield from _iter_parquet(path, text_key, stats)
@@ -199,6 +192,20 @@ def iter_file(
         yield from _iter_txt(path, stats, txt_mode)
     else:
         yield from _iter_jsonl(path, text_key, stats)
+
+
+def _count_file(path: str, stats: ReadStats) -> bool:
+    """Count `path` as an input file; False (counted as bad) if it is empty or unreadable."""
+    stats.files += 1
+    try:
+        if os.path.getsize(path) == 0:
+            stats.bad("empty_file", path, None)
+            return False
+    except OSError as exc:
+        stats.bad("unreadable_file", path, None)
+        _note(stats, path, exc)
+        return False
+    return True
 
 
 def _note(stats: ReadStats, path: str, exc: BaseException) -> None:
@@ -257,6 +264,13 @@ def _lines(path: str, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
 
 
 def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[Document]:
+    for lineno, text in _jsonl_texts(path, text_key, stats):
+        yield Document(text, f"{path}:{lineno}", path, lineno)
+
+
+def _jsonl_texts(path: str, text_key: str, stats: ReadStats) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every good record, bad ones counted into `stats`; the
+    tokenizer reads through this directly, without building `Document`s."""
     pending_blank: list[int] = []
     seen_record = False
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
@@ -273,7 +287,7 @@ def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[Document
             if type(text) is str and text and not text.isspace():
                 seen_record = True
                 stats.documents += 1
-                yield Document(text, f"{path}:{lineno}", path, lineno)
+                yield lineno, text
                 continue
         if not raw.strip():
             pending_blank.append(lineno)
@@ -311,7 +325,7 @@ def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[Document
             stats.bad("empty_text", path, lineno)
             continue
         stats.documents += 1
-        yield Document(text, f"{path}:{lineno}", path, lineno)
+        yield lineno, text
     if seen_record:
         for b in pending_blank:
             stats.bad("blank_line", path, b)

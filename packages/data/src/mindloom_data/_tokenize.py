@@ -1,7 +1,7 @@
 """Tokenize documents into a Megatron indexed dataset, in parallel, in input order.
 
-The main thread reads documents (JSON Lines through orjson, with `_readers`' own checks
-for any line orjson does not take; other formats through `_readers.iter_file`), groups
+The main thread reads documents (JSON Lines through `_readers`' orjson fast path without
+building a `Document` per line; other formats through `_readers.iter_file`), groups
 them into tasks of about `task_bytes` of text and keeps at most `2 * workers` tasks in
 flight, so memory stays bounded whatever the input size. A document longer than
 `chunk_chars` is encoded in chunks cut at a single space (where SentencePiece starts a
@@ -31,10 +31,15 @@ from dataclasses import dataclass, field
 from itertools import chain, repeat
 
 import numpy as np
-import orjson
 
 from mindloom_data._indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
-from mindloom_data._readers import ReadStats, _lines, _note, iter_file, resolve_inputs
+from mindloom_data._readers import (
+    ReadStats,
+    _count_file,
+    _jsonl_texts,
+    iter_file,
+    resolve_inputs,
+)
 
 DEFAULT_CHUNK_CHARS = 1 << 20
 DEFAULT_TASK_BYTES = 1 << 18  # small enough to keep every worker busy on a few MB
@@ -117,82 +122,13 @@ def _texts(inputs, text_key: str, stats: ReadStats, txt_mode: str) -> Iterator[s
     """The texts `iter_documents` yields, with the same counts in `stats`, faster for JSONL."""
     for path in resolve_inputs(inputs):
         if path.endswith(_JSONL):
-            yield from _jsonl_texts(path, text_key, stats)
+            # the reader's own JSONL path and counts, without building a Document per line
+            if _count_file(path, stats):
+                for _, text in _jsonl_texts(path, text_key, stats):
+                    yield text
         else:
             for doc in iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode):
                 yield doc.text
-
-
-def _jsonl_texts(path: str, text_key: str, stats: ReadStats) -> Iterator[str]:
-    """`_readers._iter_jsonl` without the `Document`s: a good line is one `orjson.loads`.
-
-    Any other line (blank, bad UTF-8, not JSON, a lone surrogate escape, NaN, ...) takes
-    the reader's own path, line by line, so the texts and the bad-record counts are the
-    same; orjson never accepts a line that `json.loads` refuses, and agrees on the strings.
-    """
-    stats.files += 1
-    try:
-        if os.path.getsize(path) == 0:
-            stats.bad("empty_file", path, None)
-            return
-    except OSError as exc:
-        stats.bad("unreadable_file", path, None)
-        _note(stats, path, exc)
-        return
-    pending_blank: list[int] = []
-    seen_record = False
-    loads, decode_error = orjson.loads, orjson.JSONDecodeError
-    for lineno, raw in _lines(path, stats):
-        try:
-            obj = loads(raw)
-        except decode_error:
-            obj = None
-        if type(obj) is dict and not pending_blank:
-            text = obj.get(text_key)
-            if type(text) is str and not text.isspace() and text:
-                seen_record = True
-                stats.documents += 1
-                yield text
-                continue
-        # the slow path: exactly the reader's checks, in its order
-        if not raw.strip():
-            pending_blank.append(lineno)
-            continue
-        seen_record = True
-        for b in pending_blank:
-            stats.bad("blank_line", path, b)
-        pending_blank.clear()
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            stats.bad("invalid_utf8", path, lineno)
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            stats.bad("malformed_json", path, lineno)
-            continue
-        if not isinstance(obj, dict):
-            stats.bad("non_object_json", path, lineno)
-            continue
-        if text_key not in obj:
-            stats.bad("missing_text_key", path, lineno)
-            continue
-        text = obj[text_key]
-        if text is None:
-            stats.bad("null_text", path, lineno)
-            continue
-        if not isinstance(text, str):
-            stats.bad("non_string_text", path, lineno)
-            continue
-        if not text.strip():
-            stats.bad("empty_text", path, lineno)
-            continue
-        stats.documents += 1
-        yield text
-    if seen_record:
-        for b in pending_blank:
-            stats.bad("blank_line", path, b)
 
 
 # -- encoding ----------------------------------------------------------------------------
