@@ -59,6 +59,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and the problem."""
 
 
+def check_tensor_names(expected: set[str], found: set[str], where: str) -> None:
+    """A partial or padded load is an error, never a silent one: the message names the
+    first missing tensor, or else the first unexpected one."""
+    missing = sorted(expected - found)
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)")
+    extra = sorted(found - expected)
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)")
+
+
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
 

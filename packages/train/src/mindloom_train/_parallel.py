@@ -298,16 +298,7 @@ class EngineStep:
 
         layout = tensor_layout(self.model_cfg, self.pcfg)
         want = set(layout) | {f"exp_avg.{n}" for n in layout} | {f"exp_avg_sq.{n}" for n in layout}
-        missing = sorted(want - set(tensors))
-        extra = sorted(set(tensors) - want)
-        if missing:
-            raise ck.CheckpointError(
-                f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)"
-            )
-        if extra:
-            raise ck.CheckpointError(
-                f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)"
-            )
+        ck.check_tensor_names(want, set(tensors), where)
         for n in layout:
             if tuple(tensors[n].shape) != layout[n].global_shape:
                 raise ck.CheckpointError(

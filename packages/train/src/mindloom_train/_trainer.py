@@ -268,16 +268,7 @@ class Trainer:
 
         names = {p.name for p in params}
         have = {k for k in tensors if k.startswith(prefix)} if prefix else set(tensors)
-        missing = sorted(names - have)
-        extra = sorted(have - names)
-        if missing:
-            raise ck.CheckpointError(
-                f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing)"
-            )
-        if extra:
-            raise ck.CheckpointError(
-                f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected)"
-            )
+        ck.check_tensor_names(names, have, where)
         for p in params:
             arr = tensors[p.name]
             if tuple(arr.shape) != tuple(p.shape):
