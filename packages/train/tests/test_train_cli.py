@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import yaml
 from mindloom_train._checkpoint import read_tracker
 from mindloom_train._cli import main
-from train_testutil import SCHED, base_config, read_metrics, step_records
+from train_testutil import SCHED, base_config, read_metrics, run_cli, step_records
 
 
 def test_generate_from_a_checkpoint(run_a, capsys):
@@ -83,18 +79,9 @@ def test_check_env_single_process(capsys):
     assert "matmul 256x256" in out and "ok" in out and "mindspore" in out and "backend" in out
 
 
-def _cli(*args: str, timeout: int = 300, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GLOG_v": "3"}
-    env.pop("MINDLOOM_FAULT", None)
-    if fault:
-        env["MINDLOOM_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "mindloom_train._cli", *args],
-                          capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
-
-
 @pytest.mark.msrun
 def test_check_env_all_reduce_under_msrun():
-    proc = _cli("check-env", "--nproc", "2", "--timeout", "240")
+    proc = run_cli("check-env", "--nproc", "2", "--timeout", "240")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "all-reduce" in proc.stdout and "ok across 2 msrun workers" in proc.stdout
 
@@ -108,7 +95,7 @@ def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(prepared
                       parallelism={"dp": 2})  # fmt: skip
     path = tmp_path / "dp.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = _cli("launch", "--nproc", "2", str(path), "--timeout", "240", fault="sigterm@3:1")
+    proc = run_cli("launch", "--nproc", "2", str(path), "--timeout", "240", fault="sigterm@3:1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     dp, a = step_records(tmp_path / "dp"), step_records(run_a)
     assert sorted(dp) == [1, 2, 3]

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +12,15 @@ import pytest
 import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
 from mindloom_train._trainer import EXIT_ANOMALY
-from train_testutil import SCHED, base_config, events, read_metrics, run_config, step_records
+from train_testutil import (
+    SCHED,
+    base_config,
+    events,
+    read_metrics,
+    run_cli,
+    run_config,
+    step_records,
+)
 
 _run = run_config
 
@@ -62,10 +67,7 @@ def test_resume_is_bit_exact_in_a_new_process(prepared, run_a, tmp_path):
     assert read_tracker(tmp_path / "b" / "checkpoints") == 4
     path = tmp_path / "b.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "GLOG_v": "3"}
-    env.pop("MINDLOOM_FAULT", None)
-    proc = subprocess.run([sys.executable, "-m", "mindloom_train._cli", "train", str(path)],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    proc = run_cli("train", str(path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stderr
     a, b = step_records(run_a), step_records(tmp_path / "b")

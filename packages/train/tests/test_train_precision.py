@@ -4,12 +4,9 @@ and dropout, whose masks must also resume bit-exactly."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import yaml
-from train_testutil import SCHED, base_config, events, run_config, step_records
+from train_testutil import SCHED, base_config, events, run_cli, run_config, step_records
 
 
 def test_dynamic_loss_scale_unscales_exactly(prepared, run_a, tmp_path):
@@ -109,10 +106,7 @@ def test_dropout_run_resumes(prepared, tmp_path):
     assert run_config(cfg, fault="sigterm@4") == 0
     path = tmp_path / "b.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "GLOG_v": "3"}
-    env.pop("MINDLOOM_FAULT", None)
-    proc = subprocess.run([sys.executable, "-m", "mindloom_train._cli", "train", str(path)],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    proc = run_cli("train", str(path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stderr
     a, b = step_records(tmp_path / "a"), step_records(tmp_path / "b")

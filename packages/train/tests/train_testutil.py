@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SCHED = {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2, "decay_iters": 8}
@@ -14,6 +17,18 @@ def run_config(cfg_dict: dict, fault: str | None = None) -> int:
     from mindloom_train._trainer import Trainer
 
     return Trainer(from_dict(cfg_dict), fault_spec=fault or "").run()
+
+
+def run_cli(
+    *args: str, timeout: int = 300, fault: str | None = None
+) -> subprocess.CompletedProcess:
+    """`mindloom ARGS` in a fresh process (quiet MindSpore; the fault hook only if given)."""
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "mindloom_train._cli", *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)  # fmt: skip
 
 
 def base_config(prepared: dict[str, str], run_dir: Path, **sections) -> dict:
