@@ -221,6 +221,7 @@ class Trainer:
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
         grad_red = loss_red = eval_red = None
+        self.comm_probe, self._last_comm = None, None
         if self.groups is not None and self.dp_size > 1:
             from mindloom_parallel import GradReducer
 
@@ -865,10 +866,10 @@ class Trainer:
             if self.world == 1:
                 return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
                         "comm_share_ranks": [0.0]}  # fmt: skip
-            if getattr(self, "comm_probe", None) is None:
+            if self.comm_probe is None:
                 return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
                         "comm_share_ranks": None}  # fmt: skip
-            if probe or not hasattr(self, "_last_comm"):
+            if probe or self._last_comm is None:
                 self._last_comm = self._probe_comm(window)
             return self._last_comm
         steps = max(window["steps"], 1)
