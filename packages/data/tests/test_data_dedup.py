@@ -3,9 +3,19 @@ import random
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from datasketch import MinHash, MinHashLSH
-from mindloom_data import clean
+from mindloom_data import CleanError, clean
+from mindloom_data._cli import main
 from mindloom_data._minhash import MinHasher, jaccard
+from mindloom_data._pipeline import DEFAULTS, load_config
+
+PROBES = DEFAULTS["dedup"]["minhash"]["probe_bands"]
+MINHASH_ONLY = {
+    "normalize": False,
+    "filters": {k: False for k in ("length", "repeated_chars", "garbled", "symbols", "repetition")},
+    "dedup": {"exact": False, "paragraph": False},
+}
 
 
 def _vocab(rng, n=4000):
@@ -171,7 +181,7 @@ def test_pairs_near_the_threshold_are_decided_by_their_exact_jaccard(tmp_path):
     # 112-permutation estimate (standard error ~0.04) often lands on the wrong side
     copies = [_near(rng, vocab, t, 2 + i % 3) for i, t in enumerate(originals)]
     _write(tmp_path / "in.jsonl", originals + copies)
-    m = MinHasher()
+    m = MinHasher(probe_bands=PROBES)  # the bands of the default config
     sh = [np.unique(x) for x in m.shingle_hashes(originals + copies)]
     bands = m.band_hashes(m.signatures(originals + copies))
     n = len(originals)
@@ -215,3 +225,90 @@ def test_pairs_near_the_threshold_are_decided_by_their_exact_jaccard(tmp_path):
     est_only, _ = removed_copies(False)
     assert any(w and not e for w, e in zip(want, est_only))
     assert any(e and not w for w, e in zip(want, est_only))
+
+
+def test_probe_bands_regroup_the_signature_and_never_copy_a_primary_band():
+    m = MinHasher(probe_bands=30)
+    assert m.groups.shape == (44, 8)
+    assert np.array_equal(m.groups[:14].ravel(), np.arange(112))  # datasketch's bands first
+    primary_of = m.groups[:14].ravel() // 8
+    for g in m.groups[14:]:
+        assert len(set(g.tolist())) == 8
+        assert len(set(primary_of[g].tolist())) == 8  # one row from each of 8 primary bands
+    assert len({frozenset(g.tolist()) for g in m.groups}) == 44
+    # fixed by the seed: the same grouping in every process, another for another seed
+    assert np.array_equal(MinHasher(probe_bands=30).groups, m.groups)
+    assert not np.array_equal(MinHasher(probe_bands=30, seed=2).groups, m.groups)
+    # probes only add columns: the primary band hashes are unchanged
+    sigs = m.signatures(["a b c d e f g h", "one two three four five six"])
+    assert np.array_equal(m.band_hashes(sigs)[:, :14], MinHasher().band_hashes(sigs))
+    # with fewer bands than rows a probe band still mixes primary bands
+    few = MinHasher(num_perm=112, bands=4, rows=16, probe_bands=8)
+    for g in few.groups[4:]:
+        assert np.bincount(g // 16, minlength=4).max() <= 4
+
+
+def test_probe_bands_find_pairs_no_primary_band_holds_and_verify_them(tmp_path):
+    rng = random.Random(6)
+    vocab = _vocab(rng, 20_000)
+    originals = [_doc(rng, vocab, 100) for _ in range(240)]
+    # Jaccard about 0.81, 0.73, 0.66: around the threshold, where 14 bands of 8 miss often
+    copies = [_near(rng, vocab, t, 2 + i % 3) for i, t in enumerate(originals)]
+    n = len(originals)
+    # two files so that two workers have two scan ranks; copy i is line i + 1 of b.jsonl
+    _write(tmp_path / "a.jsonl", originals)
+    _write(tmp_path / "b.jsonl", copies)
+    m = MinHasher(probe_bands=PROBES)
+    sh = [np.unique(x) for x in m.shingle_hashes(originals + copies)]
+    bands = m.band_hashes(m.signatures(originals + copies))
+    exact = [
+        len(np.intersect1d(sh[i], sh[n + i])) / len(np.union1d(sh[i], sh[n + i])) for i in range(n)
+    ]
+    primary = [bool((bands[i, :14] == bands[n + i, :14]).any()) for i in range(n)]
+    probe = [bool((bands[i, 14:] == bands[n + i, 14:]).any()) for i in range(n)]
+    probe_only = [pr and not p for p, pr in zip(primary, probe)]
+    # what the test is about exists in this corpus: true pairs only a probe band finds,
+    # and pairs below the threshold that collide in a probe band (and in no primary one)
+    assert sum(po and j >= 0.7 for po, j in zip(probe_only, exact)) >= 10
+    assert sum(po and j < 0.7 for po, j in zip(probe_only, exact)) >= 3
+
+    def run(name, probe_bands, workers=1):
+        cfg = {**MINHASH_ONLY, "dedup": {**MINHASH_ONLY["dedup"], "minhash": {}}}
+        cfg["dedup"]["minhash"]["probe_bands"] = probe_bands
+        out = tmp_path / name
+        clean(tmp_path / "*.jsonl", out, config=cfg, workers=workers)
+        rem = {p.name: p.read_text() for p in sorted(out.glob("removed/minhash_dedup/*.jsonl"))}
+        shards = {p.name: p.read_bytes() for p in sorted(out.glob("shard-*.parquet"))}
+        recs = [json.loads(x) for text in rem.values() for x in text.splitlines()]
+        assert all(r["source"].endswith("b.jsonl") for r in recs)  # keep-first
+        assert all(r["duplicate_of"] == f"{tmp_path / 'a.jsonl'}:{r['line']}" for r in recs)
+        return [i + 1 in {r["line"] for r in recs} for i in range(n)], (shards, rem)
+
+    on, out_on = run("on", PROBES)
+    off, _ = run("off", 0)
+    assert off == [p and j >= 0.7 for p, j in zip(primary, exact)]
+    assert on == [(p or pr) and j >= 0.7 for p, pr, j in zip(primary, probe, exact)]
+    assert any(o and not f for o, f in zip(on, off))  # found only with probes on
+    # a probe collision below the threshold is checked like any candidate: not removed
+    assert not any(o for o, po, j in zip(on, probe_only, exact) if po and j < 0.7)
+    # the result does not depend on the number of processes
+    on2, out_on2 = run("on2", PROBES, workers=2)
+    assert on2 == on and out_on2 == out_on
+
+
+def test_probe_bands_validation_is_one_line_naming_the_key(tmp_path, capsys):
+    for bad in (-1, "14", True, 1.5, 5000):
+        with pytest.raises(CleanError, match=r"^dedup\.minhash\.probe_bands .*") as e:
+            load_config({"dedup": {"minhash": {"probe_bands": bad}}})
+        assert "\n" not in str(e.value)
+    with pytest.raises(CleanError, match="probe_bands needs minhash.bands >= 2"):
+        load_config({"dedup": {"minhash": {"bands": 1, "rows": 8}}})
+    assert load_config({"dedup": {"minhash": {"bands": 1, "rows": 8, "probe_bands": 0}}})
+    _write(tmp_path / "in.jsonl", ["some text here"])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dedup:\n  minhash: {probe_bands: -3}\n")
+    code = main(["clean", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o"), "-c", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("error: dedup.minhash.probe_bands must be an integer from 0 to 1024")
+    assert not (tmp_path / "o" / "report.json").exists()

@@ -89,6 +89,7 @@ DEFAULTS: dict = {
             "ngram": 5,
             "cjk_ngram": 5,
             "seed": 1,
+            "probe_bands": 14,
             "threshold": 0.7,
             "verify": True,
         },
@@ -98,6 +99,7 @@ DEFAULTS: dict = {
 }
 
 _BATCH = 512  # documents per MinHash batch in the scan stage
+_HASHER_KEYS = ("num_perm", "bands", "rows", "ngram", "cjk_ngram", "seed", "probe_bands")
 
 
 class CleanError(Exception):
@@ -132,9 +134,7 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
         build_filters(cfg["filters"])
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
-            MinHasher(
-                **{k: m[k] for k in ("num_perm", "bands", "rows", "ngram", "cjk_ngram", "seed")}
-            )
+            MinHasher(**{k: m[k] for k in _HASHER_KEYS})
     except (ValueError, TypeError) as exc:
         raise CleanError(str(exc)) from None
     if not isinstance(cfg["partitions"], int) or cfg["partitions"] < 1:
@@ -187,9 +187,7 @@ class Run:
 
     def minhasher(self) -> MinHasher:
         m = self.cfg["dedup"]["minhash"]
-        return MinHasher(
-            **{k: m[k] for k in ("num_perm", "bands", "rows", "ngram", "cjk_ngram", "seed")}
-        )
+        return MinHasher(**{k: m[k] for k in _HASHER_KEYS})
 
 
 def _hash64(data: bytes) -> int:
