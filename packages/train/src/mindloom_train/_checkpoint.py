@@ -281,6 +281,7 @@ def save_checkpoint(
     progress = on_progress or (lambda _s, _n: None)
     try:
         written = 0
+        progress(step, written)
         for fname, tensors in shards.items():
             _write_file(tmp / fname, encode_safetensors(tensors))
             written += 1

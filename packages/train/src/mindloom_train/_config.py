@@ -150,6 +150,11 @@ class CheckpointConfig:
     # directory or a save_path; fresh optimizer state and LR schedule.
     init_from: str | None = None
     verify_integrity: bool = False  # write and check a SHA-256 manifest
+    # Write interval checkpoints in a background thread: the step's state is copied to host
+    # memory at the save step and training goes on while the files are written. At most
+    # one save is in flight (the next waits for it); end, SIGTERM and anomaly saves wait
+    # for it, then write synchronously.
+    async_save: bool = False
     # Allow resuming with LR-schedule hyperparameters that differ from the checkpoint's
     override_schedule: bool = False
 

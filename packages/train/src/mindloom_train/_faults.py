@@ -9,6 +9,8 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            (prints a marker line, then sleeps: kill -9 it)
     MINDLOOM_FAULT="pause_save@4:tracker"  ... after the rename, before `latest` is updated
     MINDLOOM_FAULT="fail_save@4:2"         the save at step 4 raises ENOSPC after 2 files
+    MINDLOOM_FAULT="slow_save@4:2.5"       the save at step 4 sleeps 2.5 s before its first
+                                           file (an async save lets training move on meanwhile)
     MINDLOOM_FAULT="sigterm@6"             SIGTERM to this process during update 6
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
 _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm"}
-_SAVE_KINDS = {"pause_save", "fail_save"}
+_SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
 
 
 class FaultSpecError(ValueError):
@@ -92,6 +94,9 @@ class FaultInjector:
                 )
                 while True:  # the test kills us here
                     time.sleep(3600)
+        for f in self._hits("slow_save", step):
+            if files_written == 0:
+                time.sleep(float(f.arg or 1.0))
         for f in self._hits("fail_save", step):
             if f.arg == str(files_written):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class Trainer:
         self.groups = None
         self.pcfg = None
         self.par = None  # EngineStep when the layout is not plain data parallel
+        self._pending_save: dict[str, Any] | None = None  # the background checkpoint write
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
@@ -306,7 +308,15 @@ class Trainer:
             "time": time.time(),
         }
 
-    def save(self, step: int, reason: str) -> Path | None:
+    def save(self, step: int, reason: str, background: bool = False) -> Path | None:
+        """Write a checkpoint of the current state; with `background`, in a writer thread.
+
+        The state is copied to host memory here, at this step, in either case, so a
+        background write holds exactly what a synchronous one would even though the
+        parameters move on while it runs. At most one write is in flight: a new save (and
+        the end of the run) waits for the previous one first.
+        """
+        self.wait_pending_save()
         t0 = time.perf_counter()
         if self.par is not None:
             # collective: every rank sends its shards, rank 0 writes them all
@@ -327,24 +337,75 @@ class Trainer:
                 ck.shard_name("optim", 0, 1): self._opt_tensors(),
             }
             metadata = ck.default_metadata(shards, self.world)
+        if background:  # the arrays may alias live parameter memory: own them
+            shards = {f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in shards.items()}
         metadata["layout"] = self._layout()
-        path = ck.save_checkpoint(
-            self.save_path,
-            step,
-            shards,
-            self._common(),
+        common = self._common()
+        kwargs = dict(
             metadata=metadata,
             keep_last=self.cfg.checkpoint.keep_last,
             verify_integrity=self.cfg.checkpoint.verify_integrity,
             on_progress=self.fault.on_save_progress if self.fault else None,
         )
-        dt = time.perf_counter() - t0
-        self.log(f"checkpoint: saved step {step} to {path} ({reason}, {dt:.2f}s)")
+        if not background:
+            path = ck.save_checkpoint(self.save_path, step, shards, common, **kwargs)
+            self._saved(step, reason, path, time.perf_counter() - t0)
+            return path
+        snap = time.perf_counter() - t0
+        job: dict[str, Any] = {"step": step, "reason": reason, "t0": t0, "snapshot_s": snap}
+
+        def write() -> None:
+            try:
+                job["path"] = ck.save_checkpoint(self.save_path, step, shards, common, **kwargs)
+            except BaseException as exc:  # reported by the training thread
+                job["error"] = exc
+            job["t1"] = time.perf_counter()
+
+        job["thread"] = threading.Thread(target=write, name=f"checkpoint-{step}")
+        job["thread"].start()
+        self._pending_save = job
+        self.log(f"checkpoint: writing step {step} in the background (state copied in {snap:.2f}s)")
+        return None
+
+    def _saved(self, step: int, reason: str, path: Path, seconds: float, **extra) -> None:
+        self.log(f"checkpoint: saved step {step} to {path} ({reason}, {seconds:.2f}s)")
         self.metrics.event(
-            "checkpoint", step=step, path=str(path), reason=reason, seconds=round(dt, 3)
-        )
+            "checkpoint", step=step, path=str(path), reason=reason, seconds=round(seconds, 3),
+            **extra,
+        )  # fmt: skip
         self.last_saved_step = step
-        return path
+
+    def poll_pending_save(self, wait: bool = False) -> None:
+        """Report a finished background save (log, event); raise if it failed."""
+        job = self._pending_save
+        if job is None or (not wait and job["thread"].is_alive()):
+            return
+        job["thread"].join()
+        self._pending_save = None
+        if "error" in job:
+            exc = job["error"]
+            if isinstance(exc, OSError):
+                self._save_failed(job["step"], exc)
+            raise exc
+        self._saved(
+            job["step"], job["reason"], job["path"], job["t1"] - job["t0"],
+            background=True, snapshot_s=round(job["snapshot_s"], 3), completed_at_step=self.step,
+        )  # fmt: skip
+
+    def wait_pending_save(self) -> None:
+        self.poll_pending_save(wait=True)
+
+    def _finish_pending_save(self) -> None:
+        """On the way out of the loop: never leave a write behind, never hide its failure."""
+        if self._pending_save is None:
+            return
+        if sys.exc_info()[1] is None:
+            self.wait_pending_save()
+            return
+        try:  # already failing for another reason: report this one, raise that one
+            self.wait_pending_save()
+        except Exception as exc:
+            self.log(f"error: background checkpoint write failed too: {exc}")
 
     def _layout(self) -> dict | None:
         """mindloom_parallel's description: global shape and split of every tensor."""
@@ -774,6 +835,7 @@ class Trainer:
                     self._stop_profiler(profiler)
                     profiler = None
                 t_pause = time.perf_counter()
+                self.poll_pending_save()
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
                     self.evaluate(step)
                 if stop_now if self.par is not None else self._stop_signal:
@@ -786,7 +848,7 @@ class Trainer:
                     and step % cfg.checkpoint.save_interval == 0
                     and not last
                 ):
-                    self._safe_save(step, "interval")
+                    self._safe_save(step, "interval", background=cfg.checkpoint.async_save)
                 if self.par is not None:
                     over = time_up
                 else:
@@ -805,24 +867,28 @@ class Trainer:
                     self._safe_save(self.step, "end")
         finally:
             loader.close()
+            self._finish_pending_save()
             if profiler is not None:
                 self._stop_profiler(profiler)
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
         return code, status, reason
 
-    def _safe_save(self, step: int, reason: str) -> None:
+    def _safe_save(self, step: int, reason: str, background: bool = False) -> None:
         try:
-            self.save(step, reason)
+            self.save(step, reason, background=background)
         except ck.CheckpointError:
             raise
         except OSError as exc:
-            self.metrics.event("checkpoint", step=step, path=None, status="failed", reason=str(exc))
-            prev = ck.read_tracker(self.save_path) if self.save_path.exists() else None
-            raise TrainError(
-                f"checkpoint save at step {step} failed ({exc}); nothing was left at a final "
-                f"path; the latest complete checkpoint is step {prev}"
-            ) from None
+            self._save_failed(step, exc)
+
+    def _save_failed(self, step: int, exc: OSError) -> None:
+        self.metrics.event("checkpoint", step=step, path=None, status="failed", reason=str(exc))
+        prev = ck.read_tracker(self.save_path) if self.save_path.exists() else None
+        raise TrainError(
+            f"checkpoint save at step {step} failed ({exc}); nothing was left at a final "
+            f"path; the latest complete checkpoint is step {prev}"
+        ) from None
 
     def _log_metrics(
         self, step, total, loss, lr, gnorm, window, loader, wait0, flops_tok, peak
