@@ -2,6 +2,7 @@
 
     ./dev bench benchmarks/dedup.py [--docs 50000] [--rounds 2] [--no-datatrove]
         [--methods mindloom,naive,datatrove] [--no-verify] [--skip-clean | --only-clean]
+        [--probe-bands 7,28]
 
 One corpus, generated plus real: the paragraphs of tiny Shakespeare (bundled with
 mindloom-data) and synthetic documents drawn from Shakespeare's word stream, with planted
@@ -12,7 +13,8 @@ in 14 bands of 8, keep-first, one process:
 
 - mindloom: `mindloom_data.clean` with only MinHash dedup on (reads JSONL, writes Parquet),
   default config (14 bands of 8 plus its probe bands, which regroup the same 112 values);
-  and again as `mindloom (probe_bands=0)`, the 14 bands of 8 alone;
+  and again as `mindloom (probe_bands=0)`, the 14 bands of 8 alone (`--probe-bands` adds
+  rows for other counts);
 - datatrove: its four-stage MinHash pipeline (signature, buckets, cluster, filter; JSONL in
   and out), word tokenizer replaced by a whitespace split and punctuation kept so the
   shingles match (its NLTK tokenizer needs a download, too);
@@ -45,6 +47,7 @@ for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_
     os.environ.setdefault(_v, "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -185,7 +188,7 @@ def run_datatrove(corpus: Path, out: Path, where) -> list[tuple[int, int]]:
     from datatrove.utils.text import TextNormConfig
     from loguru import logger
 
-    logger.remove()  # its per-stage stats tables would bury the results
+    logger.remove()
     cfg = MinhashConfig(
         n_grams=5,
         num_buckets=14,
@@ -213,13 +216,16 @@ def run_datatrove(corpus: Path, out: Path, where) -> list[tuple[int, int]]:
     logs = str(out / "logs")
 
     def ex(pipeline, name, tasks=1):
-        LocalPipelineExecutor(
-            pipeline=pipeline,
-            tasks=tasks,
-            workers=1,
-            logging_dir=f"{logs}/{name}",
-            skip_completed=False,
-        ).run()
+        # Each task adds a loguru sink on the sys.stderr of the moment; its per-stage stats
+        # tables would bury the results. They still go to the log files under `logs`.
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+            LocalPipelineExecutor(
+                pipeline=pipeline,
+                tasks=tasks,
+                workers=1,
+                logging_dir=f"{logs}/{name}",
+                skip_completed=False,
+            ).run()
 
     ex([JsonlReader(str(corpus)), sig], "sig")
     ex([MinhashDedupBuckets(str(out / "sigs"), str(out / "buckets"), config=cfg)], "buckets", 14)
@@ -316,6 +322,9 @@ def main(argv=None) -> int:
         "--no-verify", action="store_true", help="mindloom without the exact check (estimate only)"
     )
     ap.add_argument("--methods", default="mindloom,naive,datatrove", help="comma-separated")
+    ap.add_argument(
+        "--probe-bands", default="", help="extra mindloom rows with these probe_bands, e.g. 7,28"
+    )
     ap.add_argument("--skip-clean", action="store_true")
     ap.add_argument("--only-clean", action="store_true", help="just the cleaning figures")
     args = ap.parse_args(argv)
@@ -335,6 +344,11 @@ def main(argv=None) -> int:
     methods = {
         "mindloom": run_mindloom,
         "mindloom (probe_bands=0)": functools.partial(run_mindloom, probe_bands=0),
+        **{
+            f"mindloom (probe_bands={k})": functools.partial(run_mindloom, probe_bands=int(k))
+            for k in args.probe_bands.split(",")
+            if k
+        },
         "naive datasketch": run_naive,
     }
     if not args.no_datatrove:
@@ -391,27 +405,28 @@ def main(argv=None) -> int:
         from mindloom_data._pipeline import DEFAULTS
 
         probes = DEFAULTS["dedup"]["minhash"]["probe_bands"]
-        h = MinHasher(probe_bands=probes)
         ta = [a for a, _ in truth.true]
         tb = [b for _, b in truth.true]
-        sig = h.signatures([docs[i] for i in ta + tb])
-        bands = h.band_hashes(sig)
-        same = bands[: len(ta)] == bands[len(ta) :]
-        in_primary = same[:, :14].any(axis=1)
-        in_any = same.any(axis=1)
+        sig = MinHasher().signatures([docs[i] for i in ta + tb])
+
+        def shares_band(k):
+            bands = MinHasher(probe_bands=k).band_hashes(sig)
+            return (bands[: len(ta)] == bands[len(ta) :]).any(axis=1)
+
         print(
-            f"true pairs sharing a band under mindloom's signatures: {in_primary.mean():.3f} "
-            f"in the 14 primary bands, {in_any.mean():.3f} with the {probes} probe bands"
+            f"true pairs sharing a band under mindloom's signatures: {shares_band(0).mean():.3f} "
+            f"in the 14 primary bands, {shares_band(probes).mean():.3f} with the {probes} "
+            f"probe bands of the default config"
         )
         for m in ours:
+            k = int(m.split("=")[1].rstrip(")")) if "=" in m else probes
             removed = {a for a, _ in pairs[m]}
             missed = [
-                k for k, (a, b) in enumerate(truth.true) if a not in removed and b not in removed
+                i for i, (a, b) in enumerate(truth.true) if a not in removed and b not in removed
             ]
-            shared = in_primary if "probe_bands=0" in m else in_any
             print(
                 f"{m} missed {len(missed)} of {len(truth.true)} true pairs; "
-                f"{int(shared[missed].sum())} of those share one of its bands "
+                f"{int(shares_band(k)[missed].sum())} of those share one of its bands "
                 f"(the rest none of its candidates can find)"
             )
 
