@@ -136,6 +136,11 @@ class ParallelismConfig:
     micro_batch_num: int = 1
     zero_stage: int = 0
     bucket_size_mb: float = 25.0
+    # Several workers: a step (or evaluation, or save) that makes no progress for this long
+    # ends the worker with exit code 4 (a rank hung or died inside a collective). The
+    # first step compiles the graph and gets first_step_timeout_s instead.
+    comm_timeout_s: float = 600.0
+    first_step_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -372,6 +377,11 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
     ]:
         _check(val >= 0, key, val, "must be >= 0")
     _check(p.zero_stage in (0, 1), "parallelism.zero_stage", p.zero_stage, "must be 0 or 1")
+    for key, val in [
+        ("parallelism.comm_timeout_s", p.comm_timeout_s),
+        ("parallelism.first_step_timeout_s", p.first_step_timeout_s),
+    ]:
+        _check(val > 0, key, val, "must be > 0")
     _check(c.keep_last >= 2, "checkpoint.keep_last", c.keep_last, "must be >= 2")
     _check(
         t.global_batch_size % (t.micro_batch_size * p.dp) == 0,

@@ -12,6 +12,11 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
     MINDLOOM_FAULT="slow_save@4:2.5"       the save at step 4 sleeps 2.5 s before its first
                                            file (an async save lets training move on meanwhile)
     MINDLOOM_FAULT="sigterm@6"             SIGTERM to this process during update 6
+    MINDLOOM_FAULT="hang@3:1"              rank 1 blocks at the start of update 3 in a C call
+                                           that holds the GIL (its own Python threads stop,
+                                           MindSpore's heartbeat goes on), so the other ranks
+                                           wait in its collective
+    MINDLOOM_FAULT="sigkill@3:1"           rank 1 SIGKILLs itself at the start of update 3
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
-_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm"}
+_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill"}
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
 
 
@@ -84,6 +89,12 @@ class FaultInjector:
     def maybe_sigterm(self, step: int) -> None:
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.step_fault("sigkill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.step_fault("hang", step):
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held
 
     def on_save_progress(self, step: int, files_written: int | str) -> None:
         """Called by the checkpoint writer after each file and before the tracker update."""

@@ -25,6 +25,7 @@ from mindloom_train._config import Config, ConfigError, dump_config
 from mindloom_train._faults import FaultInjector
 from mindloom_train._metrics import MetricsWriter, RunLog, mem_rss_mb, peak_flops, progress_text
 from mindloom_train._schedule import lr_at, schedule_signature
+from mindloom_train._watchdog import EXIT_HANG
 
 EXIT_OK, EXIT_FAILED, EXIT_ANOMALY = 0, 1, 3
 
@@ -87,6 +88,7 @@ class Trainer:
         self.pcfg = None
         self.par = None  # EngineStep when the layout is not plain data parallel
         self._pending_save: dict[str, Any] | None = None  # the background checkpoint write
+        self.watchdog = None  # StepWatchdog when there are several workers
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
@@ -338,7 +340,9 @@ class Trainer:
             }
             metadata = ck.default_metadata(shards, self.world)
         if background:  # the arrays may alias live parameter memory: own them
-            shards = {f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in shards.items()}
+            shards = {
+                f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in shards.items()
+            }
         metadata["layout"] = self._layout()
         common = self._common()
         kwargs = dict(
@@ -607,6 +611,17 @@ class Trainer:
         except KeyboardInterrupt:
             reason = "interrupted twice"
             self.log("error: interrupted")
+        except RuntimeError as exc:
+            if self.world <= 1:
+                raise
+            # MindSpore fails a collective whose peer stopped answering (missed heartbeats,
+            # MS_NODE_TIMEOUT): one line, not a page of C++ stack
+            reason = (
+                f"rank {self.rank}: step {self.step + 1} failed in MindSpore ({_first_line(exc)}); "
+                f"another rank is probably gone: see every rank's log"
+            )
+            code = EXIT_HANG
+            self.log(f"error: {reason}")
         finally:
             self.metrics.event("end", step=self.step, status=status, reason=reason, exit_code=code)
             self.metrics.close()
@@ -695,6 +710,7 @@ class Trainer:
             return EXIT_OK, "completed", "already complete"
 
         old_handlers = self._install_signals()
+        self._start_watchdog()
         loader = self._make_loader(self.train_data, self.consumed, total_iters * gbs)
         it = iter(loader)
         o = cfg.optimizer
@@ -711,6 +727,8 @@ class Trainer:
                 if cfg.profiler.enabled and step == cfg.profiler.start_step:
                     profiler = self._start_profiler()
                 t_step = time.perf_counter()
+                first = self.watchdog is not None and step == self._first_step
+                self._watch(f"step {step}", cfg.parallelism.first_step_timeout_s if first else None)
                 self.fault.maybe_sigterm(step)
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
                 prev_sum = 0.0
@@ -816,6 +834,7 @@ class Trainer:
                             )
                             self.log(f"error: {reason}")
                             code, status = EXIT_ANOMALY, "stopped"
+                            self._watch(f"checkpoint save at step {step}")
                             self._safe_save(step, "anomaly stop")
                             break
                 window["steps"] += 1
@@ -837,10 +856,12 @@ class Trainer:
                 t_pause = time.perf_counter()
                 self.poll_pending_save()
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
+                    self._watch(f"evaluation at step {step}")
                     self.evaluate(step)
                 if stop_now if self.par is not None else self._stop_signal:
                     reason = f"{self._stop_signal} received"
                     self.log(f"run: {reason}; saving step {step} and exiting")
+                    self._watch(f"checkpoint save at step {step}")
                     self._safe_save(step, self._stop_signal)
                     return EXIT_OK, "stopped", reason
                 if (
@@ -848,6 +869,7 @@ class Trainer:
                     and step % cfg.checkpoint.save_interval == 0
                     and not last
                 ):
+                    self._watch(f"checkpoint save at step {step}")
                     self._safe_save(step, "interval", background=cfg.checkpoint.async_save)
                 if self.par is not None:
                     over = time_up
@@ -862,10 +884,15 @@ class Trainer:
                 # eval and save time is not training time (tokens/s, MFU)
                 window["t0"] += time.perf_counter() - t_pause
             if code == EXIT_OK:
+                self._watch(f"final evaluation at step {self.step}")
                 self.evaluate(self.step)
                 if cfg.checkpoint.save_at_end and self.last_saved_step != self.step:
+                    self._watch(f"final checkpoint save at step {self.step}")
                     self._safe_save(self.step, "end")
         finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
             loader.close()
             self._finish_pending_save()
             if profiler is not None:
@@ -873,6 +900,26 @@ class Trainer:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
         return code, status, reason
+
+    def _start_watchdog(self) -> None:
+        if self.world <= 1:
+            return
+        from mindloom_train._watchdog import StepWatchdog
+
+        def report(msg: str) -> None:  # the record first: the launcher may kill us next
+            self.metrics.event("end", step=self.step, status="failed", reason=msg,
+                               exit_code=EXIT_HANG)  # fmt: skip
+            self.metrics.close()
+            self.log(msg)
+
+        self._first_step = self.step + 1  # this process compiles its graph in it
+        self.watchdog = StepWatchdog(self.rank, report)
+
+    def _watch(self, phase: str, budget_s: float | None = None) -> None:
+        """Start the watchdog's clock for the next phase (several workers only)."""
+        if self.watchdog is not None:
+            p = self.cfg.parallelism
+            self.watchdog.arm(phase, budget_s if budget_s is not None else p.comm_timeout_s)
 
     def _safe_save(self, step: int, reason: str, background: bool = False) -> None:
         try:
@@ -983,6 +1030,15 @@ class Trainer:
             self.log("profiler: trace written")
         except Exception as exc:
             self.log(f"profiler: failed to write the trace ({exc})")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The informative line of a MindSpore error (they open with blank and dashed lines)."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("---", "- ")):
+            return line
+    return type(exc).__name__
 
 
 def train(cfg: Config, *, console=None, fault_spec: str | None = None) -> int:
