@@ -6,14 +6,18 @@
 Both runs: character-level tiny Shakespeare split 90/10 by characters, 4 layers, 4 heads,
 128 wide, block 64, batch 12, AdamW (0.9, 0.99), weight decay 0.1 on matrices, clip 1.0,
 dropout 0, lr 1e-3 -> 1e-4 cosine with 100 warmup steps, evaluation of 20 held-out batches
-every 250 steps, the same number of threads, in this one process. The PyTorch side is a
+every 250 steps, the same number of threads, each in a fresh process of its own started
+by this one, one after the other. The PyTorch side is a
 faithful re-implementation of karpathy/nanoGPT's model.py (GPT-2 block, tied embeddings,
 no biases) and train.py loop (random windows, `get_lr`, `estimate_loss`), eager mode as
 nanoGPT's CPU instructions say (`--compile=False`). Differences, on purpose: the PyTorch
 side evaluates only the held-out split (nanoGPT also re-estimates the train loss; that
 would only slow it down) and saves no checkpoints; mindloom writes its two checkpoints.
 
-Prints wall time, steady-state tokens/s and final held-out loss of each, and the ratio.
+Prints wall time, steady-state tokens/s and final held-out loss of each, and the ratio;
+then what 1.5x nanoGPT would take: the step time it means, next to the time of the step's
+matrix products alone (every product of forward and backward, timed one by one at its
+own shape in torch, at the same thread count), for both models.
 """
 
 from __future__ import annotations
@@ -193,6 +197,69 @@ def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
+# what a given speed-up would take: the step's matrix products alone, at their own shapes
+
+
+def step_gemms(
+    d: int, layers: int, heads: int, ffn: list[tuple[int, int]], vocab: int, batch: int, block: int
+) -> list[tuple[int, int, int, int]]:
+    """(count, m, k, n) of every matrix product in one forward + backward step.
+
+    `ffn`: the MLP's linear layers as (in, out). Each linear of a [tokens, in] input does
+    its forward product and two backward ones (input and weight gradients); attention
+    does QK^T and AV per (sample, head) forward, twice that backward.
+    """
+    t, dh = batch * block, d // heads
+    linears = [(d, 3 * d), (d, d), *ffn]
+    out = []
+    for i, o in linears:
+        out += [(layers, t, i, o), (layers, t, o, i), (layers, i, t, o)]
+    out += [(1, t, d, vocab), (1, t, vocab, d), (1, d, t, vocab)]  # the tied head
+    bh = layers * batch * heads
+    out += [(bh, block, dh, block), (bh, block, block, dh)]  # forward
+    out += [(2 * bh, block, block, dh), (2 * bh, block, dh, block)]  # backward
+    return out
+
+
+def gemm_floor(gemms, threads: int, reps: int = 30) -> tuple[float, float]:
+    """Seconds and FLOPs of the products alone, each timed in torch at its own shape
+    (median of `reps`), batched products as one bmm; nothing else of the step."""
+    import torch
+
+    torch.set_num_threads(threads)
+    total_s, flops = 0.0, 0.0
+    for count, m, k, n in gemms:
+        flops += 2.0 * count * m * k * n
+        batched = count > 64  # attention: one bmm over (layers x) batch x heads
+        if batched:
+            a, b = torch.randn(count, m, k), torch.randn(count, k, n)
+            fn, calls = (lambda a=a, b=b: torch.bmm(a, b)), 1
+        else:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            fn, calls = (lambda a=a, b=b: a @ b), count
+        for _ in range(5):
+            fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        total_s += statistics.median(ts) * calls
+    return total_s, flops
+
+
+def roofline(threads: int) -> dict:
+    from mindloom_model import get_preset
+
+    cfg = get_preset("shakespeare-char")
+    nano = step_gemms(128, 4, 4, [(128, 512), (512, 128)], 65, 12, 64)
+    ours = step_gemms(cfg.hidden_size, cfg.num_layers, cfg.num_heads,
+                      [(cfg.hidden_size, cfg.ffn_hidden_size)] * 2
+                      + [(cfg.ffn_hidden_size, cfg.hidden_size)], 65, 12, 64)  # fmt: skip
+    return {"nanoGPT": gemm_floor(nano, threads), "mindloom": gemm_floor(ours, threads)}
+
+
+# ---------------------------------------------------------------------------------------
 # mindloom
 
 
@@ -244,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=["mindloom", "nanogpt"], default=None)
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a child's result
+    parser.add_argument(
+        "--no-roofline", action="store_true", help="skip timing the step's matrix products alone"
+    )
     parser.add_argument(
         "--omp-wait",
         choices=("passive", "active"),
@@ -261,19 +332,37 @@ def main(argv: list[str] | None = None) -> int:
 
     text = bundled_corpus().read_text(encoding="utf-8")
     results = {}
-    with tempfile.TemporaryDirectory(prefix="nanogpt-bench-") as tmp:
-        if args.only in (None, "nanogpt"):
-            print(
-                f"running nanoGPT (PyTorch eager, {args.threads} threads, {args.iters} iters) ...",
-                flush=True,
-            )
-            results["nanoGPT (PyTorch)"] = run_nanogpt(text, args.iters, args.threads)
-        if args.only in (None, "mindloom"):
-            print(
-                f"running mindloom (MindSpore graph mode, {args.threads} threads, {args.iters} iters) ...",
-                flush=True,
-            )
-            results["mindloom (MindSpore)"] = run_mindloom(args.iters, args.threads, Path(tmp))
+    names = {"nanogpt": "nanoGPT (PyTorch)", "mindloom": "mindloom (MindSpore)"}
+    if args.only is None:
+        # each in a process of its own, one after the other: in one process, MindSpore's
+        # step measured ~20% slower after torch had started its OpenMP pool
+        import json
+        import subprocess
+
+        for which in ("nanogpt", "mindloom"):
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--only", which,
+                       "--iters", str(args.iters), "--threads", str(args.threads),
+                       "--omp-wait", args.omp_wait, "--json", out.name]  # fmt: skip
+                subprocess.run(cmd, check=True)
+                results[names[which]] = json.loads(Path(out.name).read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="nanogpt-bench-") as tmp:
+            what = {
+                "nanogpt": "nanoGPT (PyTorch eager",
+                "mindloom": "mindloom (MindSpore graph mode",
+            }[args.only]
+            print(f"running {what}, {args.threads} threads, "
+                  f"{args.iters} iters) in process {os.getpid()} ...", flush=True)  # fmt: skip
+            if args.only == "nanogpt":
+                results[names["nanogpt"]] = run_nanogpt(text, args.iters, args.threads)
+            else:
+                results[names["mindloom"]] = run_mindloom(args.iters, args.threads, Path(tmp))
+        if args.json:
+            import json
+
+            Path(args.json).write_text(json.dumps(results[names[args.only]]))
+            return 0
     print()
     print(f"{'run':24s} {'wall s':>8s} {'tokens/s':>10s} {'held-out loss':>14s}")
     for name, r in results.items():
@@ -282,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         m, t = results["mindloom (MindSpore)"], results["nanoGPT (PyTorch)"]
         print(f"\nmindloom / nanoGPT: tokens/s x{m['tokens_per_s'] / t['tokens_per_s']:.2f}, "
               f"wall time x{t['wall_s'] / m['wall_s']:.2f} faster")  # fmt: skip
+    if len(results) == 2 and not args.no_roofline:
+        tokens = 12 * 64
+        floor = roofline(args.threads)
+        t_step = tokens / t["tokens_per_s"]
+        m_step = tokens / m["tokens_per_s"]
+        print(f"\nwhat 1.5x nanoGPT takes: a step in {t_step / 1.5 * 1e3:.1f} ms "
+              f"(nanoGPT's median step: {t_step * 1e3:.1f} ms; mindloom's: {m_step * 1e3:.1f} ms)")  # fmt: skip
+        for name, (sec, flops) in floor.items():
+            print(f"  {name:9s} step: {flops / 1e9:.2f} GFLOP in matrix products; those products "
+                  f"alone, timed one by one in torch at their shapes: {sec * 1e3:.1f} ms")  # fmt: skip
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print("(machine: shared 2-core CPU; figures are noisy, see the README)")
     return 0
