@@ -138,7 +138,7 @@ class ParallelismConfig:
     bucket_size_mb: float = 25.0
     # Several workers: a step (or evaluation, or save) that makes no progress for this long
     # ends the worker with exit code 4 (a rank hung or died inside a collective). The
-    # first step compiles the graph and gets first_step_timeout_s instead.
+    # first step and the first evaluation compile graphs: they get first_step_timeout_s.
     comm_timeout_s: float = 600.0
     first_step_timeout_s: float = 1800.0
 

@@ -89,6 +89,7 @@ class Trainer:
         self.par = None  # EngineStep when the layout is not plain data parallel
         self._pending_save: dict[str, Any] | None = None  # the background checkpoint write
         self.watchdog = None  # StepWatchdog when there are several workers
+        self._eval_watched = False
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
@@ -856,7 +857,7 @@ class Trainer:
                 t_pause = time.perf_counter()
                 self.poll_pending_save()
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
-                    self._watch(f"evaluation at step {step}")
+                    self._watch_eval(f"evaluation at step {step}")
                     self.evaluate(step)
                 if stop_now if self.par is not None else self._stop_signal:
                     reason = f"{self._stop_signal} received"
@@ -884,7 +885,7 @@ class Trainer:
                 # eval and save time is not training time (tokens/s, MFU)
                 window["t0"] += time.perf_counter() - t_pause
             if code == EXIT_OK:
-                self._watch(f"final evaluation at step {self.step}")
+                self._watch_eval(f"final evaluation at step {self.step}")
                 self.evaluate(self.step)
                 if cfg.checkpoint.save_at_end and self.last_saved_step != self.step:
                     self._watch(f"final checkpoint save at step {self.step}")
@@ -914,6 +915,12 @@ class Trainer:
 
         self._first_step = self.step + 1  # this process compiles its graph in it
         self.watchdog = StepWatchdog(self.rank, report)
+
+    def _watch_eval(self, phase: str) -> None:
+        # the first evaluation compiles its graph: it gets the first step's budget
+        first = not self._eval_watched
+        self._eval_watched = True
+        self._watch(phase, self.cfg.parallelism.first_step_timeout_s if first else None)
 
     def _watch(self, phase: str, budget_s: float | None = None) -> None:
         """Start the watchdog's clock for the next phase (several workers only)."""
