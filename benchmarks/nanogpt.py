@@ -12,7 +12,8 @@ faithful re-implementation of karpathy/nanoGPT's model.py (GPT-2 block, tied emb
 no biases) and train.py loop (random windows, `get_lr`, `estimate_loss`), eager mode as
 nanoGPT's CPU instructions say (`--compile=False`). Differences, on purpose: the PyTorch
 side evaluates only the held-out split (nanoGPT also re-estimates the train loss; that
-would only slow it down) and saves no checkpoints; mindloom writes its two checkpoints.
+would only slow it down) and saves no checkpoints; mindloom writes its four (every 500
+steps).
 
 Prints wall time, steady-state tokens/s and final held-out loss of each, and the ratio;
 then what 1.5x nanoGPT would take: the step time it means, next to the time of the step's
@@ -249,9 +250,10 @@ def gemm_floor(gemms, threads: int, reps: int = 30) -> tuple[float, float]:
 
 
 def roofline(threads: int) -> dict:
-    from mindloom_model import get_preset
+    from mindloom_train._config import load_config
+    from mindloom_train._modelcfg import build_model_config
 
-    cfg = get_preset("shakespeare-char")
+    cfg = build_model_config(load_config(RECIPE, []), 65)  # the recipe's model, 65 characters
     nano = step_gemms(128, 4, 4, [(128, 512), (512, 128)], 65, 12, 64)
     ours = step_gemms(cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                       [(cfg.hidden_size, cfg.ffn_hidden_size)] * 2
