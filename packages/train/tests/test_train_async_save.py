@@ -8,12 +8,12 @@ import os
 import signal
 from pathlib import Path
 
-from mindloom_train._checkpoint import Checkpoint, read_tracker
+from mindloom_train._checkpoint import Checkpoint, read_tracker, shard_name
 from mindloom_train._faults import PAUSE_MARKER
 from test_train_faults import _start, _wait_for
 from train_testutil import SCHED, base_config, events, run_config, step_records
 
-FILES = ("model-0000000-0000001.safetensors", "optim-0000000-0000001.safetensors")
+FILES = (shard_name("model", 0, 1), shard_name("optim", 0, 1))
 
 
 def _ckpt(run: Path, step: int) -> Path:

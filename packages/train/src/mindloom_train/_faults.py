@@ -86,7 +86,8 @@ class FaultInjector:
                 return True
         return False
 
-    def maybe_sigterm(self, step: int) -> None:
+    def at_step_start(self, step: int) -> None:
+        """The faults that fire as update `step` begins: sigterm, sigkill, hang."""
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.step_fault("sigkill", step):

@@ -89,7 +89,7 @@ class Trainer:
         self.par = None  # EngineStep when the layout is not plain data parallel
         self._pending_save: dict[str, Any] | None = None  # the background checkpoint write
         self.watchdog = None  # StepWatchdog when there are several workers
-        self._eval_watched = False
+        self._compiled: set[str] = set()  # graphs whose first run the watchdog has timed
         self.fault = FaultInjector(fault_spec, rank=self.rank)
         self._stop_signal: str | None = None
 
@@ -402,14 +402,13 @@ class Trainer:
 
     def _finish_pending_save(self) -> None:
         """On the way out of the loop: never leave a write behind, never hide its failure."""
-        if self._pending_save is None:
-            return
-        if sys.exc_info()[1] is None:
-            self.wait_pending_save()
-            return
-        try:  # already failing for another reason: report this one, raise that one
+        failing = sys.exc_info()[1] is not None
+        try:
             self.wait_pending_save()
         except Exception as exc:
+            if not failing:
+                raise
+            # already failing for another reason: report this one, raise that one
             self.log(f"error: background checkpoint write failed too: {exc}")
 
     def _layout(self) -> dict | None:
@@ -728,9 +727,8 @@ class Trainer:
                 if cfg.profiler.enabled and step == cfg.profiler.start_step:
                     profiler = self._start_profiler()
                 t_step = time.perf_counter()
-                first = self.watchdog is not None and step == self._first_step
-                self._watch(f"step {step}", cfg.parallelism.first_step_timeout_s if first else None)
-                self.fault.maybe_sigterm(step)
+                self._watch(f"step {step}", compiles="train")
+                self.fault.at_step_start(step)
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
                 prev_sum = 0.0
                 time_up = False
@@ -857,7 +855,7 @@ class Trainer:
                 t_pause = time.perf_counter()
                 self.poll_pending_save()
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
-                    self._watch_eval(f"evaluation at step {step}")
+                    self._watch(f"evaluation at step {step}", compiles="eval")
                     self.evaluate(step)
                 if stop_now if self.par is not None else self._stop_signal:
                     reason = f"{self._stop_signal} received"
@@ -885,7 +883,7 @@ class Trainer:
                 # eval and save time is not training time (tokens/s, MFU)
                 window["t0"] += time.perf_counter() - t_pause
             if code == EXIT_OK:
-                self._watch_eval(f"final evaluation at step {self.step}")
+                self._watch(f"final evaluation at step {self.step}", compiles="eval")
                 self.evaluate(self.step)
                 if cfg.checkpoint.save_at_end and self.last_saved_step != self.step:
                     self._watch(f"final checkpoint save at step {self.step}")
@@ -913,20 +911,21 @@ class Trainer:
             self.metrics.close()
             self.log(msg)
 
-        self._first_step = self.step + 1  # this process compiles its graph in it
         self.watchdog = StepWatchdog(self.rank, report)
 
-    def _watch_eval(self, phase: str) -> None:
-        # the first evaluation compiles its graph: it gets the first step's budget
-        first = not self._eval_watched
-        self._eval_watched = True
-        self._watch(phase, self.cfg.parallelism.first_step_timeout_s if first else None)
+    def _watch(self, phase: str, compiles: str | None = None) -> None:
+        """Start the watchdog's clock for the next phase (several workers only).
 
-    def _watch(self, phase: str, budget_s: float | None = None) -> None:
-        """Start the watchdog's clock for the next phase (several workers only)."""
-        if self.watchdog is not None:
-            p = self.cfg.parallelism
-            self.watchdog.arm(phase, budget_s if budget_s is not None else p.comm_timeout_s)
+        `compiles` names the graph the phase runs; its first run in this process compiles
+        it and gets `first_step_timeout_s` instead of `comm_timeout_s`.
+        """
+        if self.watchdog is None:
+            return
+        p = self.cfg.parallelism
+        first = compiles is not None and compiles not in self._compiled
+        if first:
+            self._compiled.add(compiles)
+        self.watchdog.arm(phase, p.first_step_timeout_s if first else p.comm_timeout_s)
 
     def _safe_save(self, step: int, reason: str, background: bool = False) -> None:
         try:

@@ -21,18 +21,10 @@ EXIT_HANG = 4
 
 
 class StepWatchdog:
-    def __init__(
-        self,
-        rank: int,
-        report: Callable[[str], None],
-        *,
-        poll_s: float = 0.5,
-        exit_code: int = EXIT_HANG,
-    ):
+    def __init__(self, rank: int, report: Callable[[str], None], *, poll_s: float = 0.5):
         self.rank = rank
         self._report = report
         self._poll_s = poll_s
-        self._exit_code = exit_code
         self._lock = threading.Lock()
         self._phase: str | None = None
         self._budget = 0.0
@@ -45,10 +37,6 @@ class StepWatchdog:
         """`phase` must finish (or the next arm come) within `budget_s` seconds."""
         with self._lock:
             self._phase, self._budget, self._since = phase, budget_s, time.monotonic()
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._phase = None
 
     def close(self) -> None:
         self._stop.set()
@@ -66,8 +54,8 @@ class StepWatchdog:
                     self._report(
                         f"error: rank {self.rank}: {phase} made no progress for {waited:.0f} s "
                         f"(budget {budget:g} s): a rank is hung or gone inside a collective; "
-                        f"ending this worker with exit code {self._exit_code} (see every "
+                        f"ending this worker with exit code {EXIT_HANG} (see every "
                         f"rank's log; relaunch to resume from the last complete checkpoint)"
                     )
                 finally:
-                    os._exit(self._exit_code)
+                    os._exit(EXIT_HANG)
