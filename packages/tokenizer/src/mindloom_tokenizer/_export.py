@@ -102,29 +102,39 @@ def _model_proto(tok: Tokenizer):
 
 
 def _build_sentencepiece(tok: Tokenizer):
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
 
     proto = _model_proto(tok)
     ns = proto.normalizer_spec
     ts = proto.trainer_spec
-    if ns.name not in ("identity", "") and ns.precompiled_charsmap:
+    if ns.precompiled_charsmap:
         raise TokenizerError(
             f"export supports identity normalization only; this model uses {ns.name!r}"
         )
-    if ns.remove_extra_whitespaces:
-        raise TokenizerError("export does not support remove_extra_whitespaces=true models")
     if ts.treat_whitespace_as_suffix:
         raise TokenizerError("export does not support treat_whitespace_as_suffix models")
+    if not ns.escape_whitespaces:
+        raise TokenizerError("export does not support escape_whitespaces=false models")
     pb_type = proto.SentencePiece.Type
     normal, unknown, control, user, unused, byte = (
         pb_type.Value(n) for n in ("NORMAL", "UNKNOWN", "CONTROL", "USER_DEFINED", "UNUSED", "BYTE")
     )
     pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    if any(t == unused for _, _, t in pieces):
+        raise TokenizerError("export does not support models with UNUSED pieces")
+    user_symbols = [p for p, _, t in pieces if t == user]
+    for sym in user_symbols:
+        if " " in sym or SPIECE_UNDERLINE in sym:
+            raise TokenizerError(
+                f"export does not support user-defined symbols containing a space or U+2581: "
+                f"{sym!r}"
+            )
     vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
     unk_piece = pieces[tok.unk_id][0]
     byte_fallback = bool(ts.byte_fallback)
     model_type = ts.model_type  # 1 unigram, 2 bpe, 3 word, 4 char
+    pre_tokenizer = None
     if model_type == 2:
         merges = _bpe_merges(pieces, vocab, normal)
         model = models.BPE(
@@ -138,27 +148,18 @@ def _build_sentencepiece(tok: Tokenizer):
         model = models.Unigram(
             [(p, s) for p, s, _ in pieces], unk_id=tok.unk_id, byte_fallback=byte_fallback
         )
+        pre_tokenizer = _unigram_guard(pieces, normal, (unknown, control, byte), byte_fallback)
     else:
         raise TokenizerError(
             f"export supports bpe and unigram SentencePiece models, not type {model_type}"
         )
     hf = HFTokenizer(model)
-    if ns.add_dummy_prefix:
-        # SentencePiece prepends U+2581 to the whole text even when it already starts with
-        # a space; Metaspace("first") skips that case, so double a leading space here.
-        hf.normalizer = normalizers.Sequence(
-            [
-                normalizers.Replace(Regex("^" + SPIECE_UNDERLINE), SPIECE_UNDERLINE * 2),
-                normalizers.Replace(Regex("^ "), SPIECE_UNDERLINE * 2),
-            ]
-        )
-    hf.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=SPIECE_UNDERLINE,
-        prepend_scheme="first" if ns.add_dummy_prefix else "never",
-        split=False,
-    )
+    hf.normalizer = normalizers.Sequence(_normalizer_steps(ns, user_symbols))
+    if pre_tokenizer is not None:
+        hf.pre_tokenizer = pre_tokenizer
     steps = [decoders.Replace(SPIECE_UNDERLINE, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if ns.add_dummy_prefix:
+    if ns.add_dummy_prefix or ns.remove_extra_whitespaces:
+        # SentencePiece drops the U+2581 that starts the first piece in both cases.
         steps.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(steps)
     added = []
@@ -166,14 +167,90 @@ def _build_sentencepiece(tok: Tokenizer):
         if t in (unknown, control):
             added.append(AddedToken(p, special=True, normalized=False))
         elif t == user:
-            # Matched in the normalized text, as SentencePiece does; the pieces after it
-            # are not "first", so Metaspace adds no second dummy prefix.
+            # Matched in the normalized text, as SentencePiece's model does; their content is
+            # normalized by the same normalizer, so the dummy-prefix rule must leave it alone.
             added.append(AddedToken(p, special=False, normalized=True))
     hf.add_special_tokens([a for a in added if a.special])
     hf.add_tokens([a for a in added if not a.special])
     hf.encode_special_tokens = True
-    del unused, byte
     return hf
+
+
+def _normalizer_steps(ns, user_symbols: list[str]) -> list:
+    """SentencePiece's `Normalizer::Normalize` for identity rules, as `tokenizers` normalizers.
+
+    SentencePiece works on the whole text: it never splits at newlines or tabs, only U+0020
+    counts as whitespace, and `^`/`$` in a `tokenizers` Regex (Oniguruma) match at every line
+    break, so the rules anchor with `\A` and `\z`.
+    """
+    from tokenizers import Regex, normalizers
+
+    steps = []
+    if ns.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex(r"\A +"), ""),
+            normalizers.Replace(Regex(r" {2,}"), " "),
+        ]
+    steps.append(normalizers.Replace(" ", SPIECE_UNDERLINE))
+    if ns.remove_extra_whitespaces:
+        # SentencePiece strips trailing U+2581 after escaping, literal ones included.
+        steps.append(normalizers.Replace(Regex(SPIECE_UNDERLINE + r"+\z"), ""))
+    if ns.add_dummy_prefix:
+        # One U+2581 before any non-empty text, also before a leading space. `tokenizers`
+        # normalizes the content of a user-defined symbol with this same normalizer before
+        # matching it, so a text that is exactly one symbol gets no prefix (else no symbol
+        # could ever match); SentencePiece gives "▁" + symbol there (see the README).
+        exclude = "|".join(_onig_escape(s) for s in sorted(user_symbols, key=len, reverse=True))
+        guard = rf"(?!(?:{exclude})\z)" if exclude else ""
+        steps.append(normalizers.Replace(Regex(r"\A(?=[\s\S])" + guard), SPIECE_UNDERLINE))
+    return steps
+
+
+def _onig_escape(text: str) -> str:
+    return "".join("\\" + c if not (c.isalnum() or c == "_" or ord(c) > 127) else c for c in text)
+
+
+def _unigram_guard(pieces, normal_type, hidden_types, byte_fallback):
+    """Keep the `tokenizers` Unigram lattice from matching pieces SentencePiece never matches.
+
+    SentencePiece leaves control, unknown and byte pieces (`<s>`, `<unk>`, `<0x41>`) out of
+    its lattice; `tokenizers` puts every vocabulary entry in it, so the literal text `<s>`
+    would become one token. For each such piece we split the text between two of its
+    characters that no normal piece contains as a pair: no normal piece can cross that
+    boundary anywhere, so splitting there changes nothing else, and the hidden piece can
+    no longer match. Without byte fallback the split must not separate two unknown
+    characters (SentencePiece fuses a run of unknowns into one `<unk>`).
+    """
+    from tokenizers import Regex, pre_tokenizers
+
+    normal = [p for p, _, t in pieces if t == normal_type]
+    known_chars = {p for p in normal if len(p) == 1}
+    normal_pairs = set()
+    for p in normal:
+        normal_pairs.update(p[k : k + 2] for k in range(len(p) - 1))
+    cuts = set()
+    for p, _, t in pieces:
+        if t not in hidden_types or len(p) < 2:
+            continue
+        for k in range(1, len(p)):
+            pair = p[k - 1 : k + 1]
+            if pair in normal_pairs:
+                continue
+            if not byte_fallback and pair[0] not in known_chars and pair[1] not in known_chars:
+                continue
+            cuts.add(pair)
+            break
+        else:
+            raise TokenizerError(
+                f"cannot export: every character pair of the piece {p!r} also occurs in normal "
+                "pieces, so tokenizers would match its literal text"
+            )
+    if not cuts:
+        return None
+    alternatives = "|".join(
+        _onig_escape(a) + "(?=" + _onig_escape(b) + ")" for a, b in sorted(cuts)
+    )
+    return pre_tokenizers.Split(Regex(alternatives), behavior="merged_with_previous")
 
 
 def _bpe_merges(pieces, vocab, normal_type) -> list[tuple[str, str]]:
