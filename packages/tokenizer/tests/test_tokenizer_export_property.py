@@ -182,21 +182,58 @@ def check_same(tok: Tokenizer, hf: HFTokenizer, text: str) -> None:
 
 # Text mixing what real documents have: newlines, runs of spaces and tabs, CJK, emoji,
 # combining marks, rare code points (byte fallback), digits, and the special literals.
-_fragment = st.one_of(
-    st.sampled_from(["\n", "\r\n", "\t", " ", "  ", "    ", "\n    ", "\n\t", "\u3000", META]),
-    st.sampled_from(WORDS).map(lambda w: w + " "),
-    st.text(alphabet="abcdefghijklmnopqrstuvwxyzABC.,;:!?'\"()<>/|_-=+*#@&%$", max_size=6),
-    st.text(alphabet=HANZI + "，。！？：；（）「」", min_size=1, max_size=5),
-    st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF),
-    st.sampled_from(["😀", "🚀", "👍🏽", "👨\u200d👩\u200d👧", "🇨🇳", "\u2764\ufe0f"]),
-    st.sampled_from(["e\u0301", "n\u0303", "\u0301", "a\u0308\u0323", "क्षि", "ﬁ", "Å"]),
-    st.characters(codec="utf-8", exclude_categories=("Cs",)),
-    st.characters(min_codepoint=0x10000, max_codepoint=0x10FFFF, exclude_categories=("Cs",)),
-    st.integers(min_value=0, max_value=10**9).map(str),
-    st.sampled_from(["١٢٣", "１２３", "３.１４"]),
-    st.sampled_from(SYMBOLS),
-)
-texts = st.lists(_fragment, max_size=14).map("".join)
+# Each fragment is decoded from 4 drawn bytes (kind in the low 4 bits, value above):
+# drawing plain bytes keeps generation cheap enough for thousands of examples.
+WHITESPACE = ["\n", "\r\n", "\t", " ", "  ", "\n    ", "\n\t", " \n ", "\u3000", "\x0b", "\x00"]
+ASCII = "abcdefghijklmnopqrstuvwxyzABC.,;:!?'\"()<>/|_-=+*#@&%$"
+EMOJI = ["😀", "🚀", "👍🏽", "👨\u200d👩\u200d👧", "🇨🇳", "\u2764\ufe0f"]
+MARKS = ["e\u0301", "n\u0303", "\u0301", "a\u0308\u0323", "क्षि", "ﬁ", "Å", "가\u11a8"]
+DIGITS = ["١٢٣", "１２３", "３.１４", "0.5", "-12"]
+
+
+def _fragment(n: int) -> str:
+    kind, v = n % 16, n >> 4
+    if kind == 0:
+        return WHITESPACE[v % len(WHITESPACE)]
+    if kind == 1:
+        return WORDS[v % len(WORDS)] + " "
+    if kind == 2:
+        return "".join(ASCII[(v >> (6 * k)) % len(ASCII)] for k in range(1 + v % 6))
+    if kind == 3:
+        return "".join(HANZI[(v >> (6 * k)) % len(HANZI)] for k in range(1 + v % 4)) + "，。"[v % 2]
+    if kind == 4:
+        return chr(0x4E00 + v % 0x5200)
+    if kind == 5:
+        return EMOJI[v % len(EMOJI)]
+    if kind == 6:
+        return MARKS[v % len(MARKS)]
+    if kind == 7:  # any BMP code point but a surrogate: controls, scripts, symbols
+        c = v % 0x10000
+        return chr(c if not 0xD800 <= c < 0xE000 else c - 0x800)
+    if kind == 8:  # astral: rare, usually byte fallback
+        return chr(0x10000 + v % 0x100000)
+    if kind == 9:
+        return str(v % 10**9)
+    if kind == 10:
+        return DIGITS[v % len(DIGITS)]
+    if kind == 11:
+        return SYMBOLS[v % len(SYMBOLS)]
+    if kind == 12:
+        return "\n" + " " * (v % 9)
+    if kind == 13:
+        return "".join(" \t"[(v >> k) & 1] for k in range(1 + v % 7))
+    if kind == 14:
+        return chr(0x300 + v % 0x70)
+    return META * (1 + v % 3)
+
+
+def _text(data: bytes) -> str:
+    return "".join(
+        _fragment(int.from_bytes(data[k : k + 4], "little")) for k in range(0, len(data), 4)
+    )
+
+
+texts = st.binary(max_size=64).map(_text)
 
 PROPERTY = settings(
     max_examples=2000,
