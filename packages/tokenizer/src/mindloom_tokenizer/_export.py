@@ -109,8 +109,12 @@ def _build_sentencepiece(tok: Tokenizer):
     ns = proto.normalizer_spec
     ts = proto.trainer_spec
     if ns.precompiled_charsmap:
+        # tokenizers' Precompiled normalizer works on grapheme clusters and loses characters
+        # SentencePiece keeps, and it decides the dummy prefix after normalizing, not before.
         raise TokenizerError(
-            f"export supports identity normalization only; this model uses {ns.name!r}"
+            f"export supports identity normalization only; this model uses {ns.name!r}, which "
+            "tokenizers' Precompiled normalizer does not reproduce (it turns 'a\\u0308\\u0323' "
+            "into 'ä', SentencePiece into 'ä\\u0323')"
         )
     if ts.treat_whitespace_as_suffix:
         raise TokenizerError("export does not support treat_whitespace_as_suffix models")
@@ -177,7 +181,7 @@ def _build_sentencepiece(tok: Tokenizer):
 
 
 def _normalizer_steps(ns, user_symbols: list[str]) -> list:
-    """SentencePiece's `Normalizer::Normalize` for identity rules, as `tokenizers` normalizers.
+    r"""SentencePiece's `Normalizer::Normalize` for identity rules, as `tokenizers` normalizers.
 
     SentencePiece works on the whole text: it never splits at newlines or tabs, only U+0020
     counts as whitespace, and `^`/`$` in a `tokenizers` Regex (Oniguruma) match at every line
