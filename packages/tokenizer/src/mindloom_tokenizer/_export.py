@@ -1,18 +1,28 @@
 """Export to a Hugging Face `tokenizer.json` built with the `tokenizers` library.
 
-The export reproduces SentencePiece's ids, not just its vocabulary:
+The export reproduces SentencePiece's ids, not just its vocabulary (tested property-based
+against SentencePiece itself, see the README for the exact guarantee):
 
+- Normalization is SentencePiece's `Normalizer::Normalize` for identity rules, on the whole
+  text (no pre-tokenizer splits words; SentencePiece's models see the whole normalized
+  string): spaces become U+2581, one U+2581 is prepended to non-empty text (also before a
+  leading space), `remove_extra_whitespaces` strips and collapses U+0020 only. Regexes
+  anchor with `\\A`/`\\z`: Oniguruma's `^` matches after every newline.
 - BPE: the merges are derived from the piece scores (SentencePiece merges the pair whose
   result has the highest score; Hugging Face merges the lowest-ranked pair), so merges are
   ranked by the score of the piece they produce.
-- Whitespace: spaces become U+2581 and one U+2581 is prepended to the whole text, as
-  SentencePiece's `add_dummy_prefix` does, also when the text starts with a space.
+- Unigram: SentencePiece keeps control, unknown and byte pieces out of its lattice;
+  `tokenizers` does not, so a split pre-tokenizer cuts each of them at a character pair
+  that no normal piece contains (`_unigram_guard`).
 - Control symbols (BOS, EOS, PAD, ...) are special tokens. SentencePiece never produces
   them from text; Hugging Face does when the literal string (e.g. "<s>") occurs in text,
   unless `encode_special_tokens` is set (transformers: `split_special_tokens=True`, which
   the written `tokenizer_config.json` sets). That flag is not stored in tokenizer.json.
+- User-defined symbols are normalized added tokens, matched leftmost-longest as
+  SentencePiece's prefix matcher does.
 - No BOS/EOS are added on encode, as `Tokenizer.encode`.
 
+Combinations `tokenizers` cannot reproduce are refused with a one-line `TokenizerError`.
 `tokenizer_config.json` is written next to it so `transformers.AutoTokenizer` can load the
 directory and knows the BOS/EOS/UNK/PAD tokens.
 """
@@ -210,8 +220,12 @@ def _normalizer_steps(ns, user_symbols: list[str]) -> list:
     return steps
 
 
+_ONIG_META = set(".^$*+?()[]{}|\\-/#&~")
+
+
 def _onig_escape(text: str) -> str:
-    return "".join("\\" + c if not (c.isalnum() or c == "_" or ord(c) > 127) else c for c in text)
+    # Only metacharacters: in Oniguruma an escaped letter or `<` can be an operator.
+    return "".join("\\" + c if c in _ONIG_META else c for c in text)
 
 
 def _unigram_guard(pieces, normal_type, hidden_types, byte_fallback):
