@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mindloom_data._writers import named_oserror
+from mindloom_data._writers import WriteOnly, named_oserror
 
 
 def description_hash(description: dict) -> str:
@@ -28,7 +28,7 @@ def _save_atomic(path: str, arr: np.ndarray) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -37,6 +37,14 @@ def named_oserror(exc: OSError, path: str | Path) -> OSError:
     return OSError(code, reason, str(path))
 
 
+class WriteOnly:
+    """A file seen only through write(): np.save then writes in chunks through Python,
+    so a full disk raises ENOSPC instead of numpy's "N requested and M written"."""
+
+    def __init__(self, f):
+        self.write = f.write
+
+
 @contextmanager
 def _writing(path: Path, tmp: Path):
     """On an OSError: drop the temporary file (a full disk stays usable) and name `path`."""
@@ -81,7 +89,7 @@ def save_array(path: str | Path, arr: np.ndarray) -> None:
     tmp = _tmp(path)
     with _writing(path, tmp):
         with open(tmp, "wb") as f:
-            np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
+            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
         _commit(tmp, path)
 
 

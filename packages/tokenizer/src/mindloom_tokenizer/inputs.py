@@ -19,8 +19,8 @@ depends on this package and mindloom-train on both.
 - A glob behaves as if each match were named, except that an unsupported match is
   counted and listed instead of refused.
 
-`open_compressed` reads `.gz` and `.zst` to a verified end: a gzip member's CRC and
-length trailer (Python's gzip), every zstd frame completed (its checksum checked where
+`open_compressed` reads `.gz` and `.zst` to a verified end: every gzip member's CRC and
+length trailer (zlib), every zstd frame completed (its checksum checked where
 the frame has one), several frames in a row. A file that does not start with the
 format's magic bytes is `not_compressed`; a stream that ends inside a member or frame is
 `truncated_file`, even when the cut falls exactly after a newline.
@@ -301,20 +301,25 @@ class CompressedStreamError(ValueError):
         self.category = category
 
 
-class _ZstdFrames(io.RawIOBase):
-    """Decompresses consecutive zstd frames; at the end of the file the last frame must
-    be complete (decompressobj.eof), which includes its checksum when it has one."""
+class _Members(io.RawIOBase):
+    """Decompresses consecutive gzip members or zstd frames. At the end of the file the
+    last one must be complete (the decoder's `eof`): for zstd that includes its checksum
+    where it has one, for gzip (zlib, wbits=31) the CRC-32 and length trailer."""
 
-    def __init__(self, path: str):
-        import zstandard
-
+    def __init__(self, path: str, kind: str):
         self._path = path
+        self._kind = kind
+        if kind == "zstd":
+            import zstandard
+
+            self._new = zstandard.ZstdDecompressor().decompressobj
+        else:
+            self._new = lambda: zlib.decompressobj(wbits=31)
         self._raw = open(path, "rb")  # noqa: SIM115 - closed in close()
-        self._dctx = zstandard.ZstdDecompressor()
         self._obj = None
         self._buf = bytearray()
         self._done = False
-        self._frames = 0
+        self._members = 0
         self._offset = 0
 
     def readable(self) -> bool:
@@ -333,9 +338,10 @@ class _ZstdFrames(io.RawIOBase):
         if not chunk:
             self._done = True
             if self._obj is not None:
+                what = "frame" if self._kind == "zstd" else "member"
                 raise CompressedStreamError(
                     "truncated_file",
-                    f"{self._path}: zstd frame {self._frames + 1} ends early at byte "
+                    f"{self._path}: {self._kind} {what} {self._members + 1} ends early at byte "
                     f"{self._offset} (premature end)",
                 )
             return
@@ -343,12 +349,19 @@ class _ZstdFrames(io.RawIOBase):
         data = chunk
         while data:
             if self._obj is None:
-                self._obj = self._dctx.decompressobj()
-            self._buf += self._obj.decompress(data)
+                if self._kind == "gzip" and not data.strip(b"\0"):
+                    return  # zero padding after the last member, as gzip(1) allows
+                self._obj = self._new()
+            try:
+                self._buf += self._obj.decompress(data)
+            except zlib.error as exc:
+                raise CompressedStreamError(
+                    "corrupt_file", f"{self._path}: bad gzip data near byte {self._offset}: {exc}"
+                ) from None
             if self._obj.eof:
                 data = self._obj.unused_data
                 self._obj = None
-                self._frames += 1
+                self._members += 1
             else:
                 data = b""
 
@@ -366,14 +379,13 @@ def open_compressed(path: str | os.PathLike):
         magic = _GZIP_MAGIC if path.endswith(".gz") else _ZSTD_MAGIC
         with open(path, "rb") as f:
             head = f.read(len(magic))
-        if head and head != magic:
+        if head != magic[: len(head)]:  # a shorter head is a truncated stream
             kind = "gzip" if path.endswith(".gz") else "zstd"
             raise CompressedStreamError(
                 "not_compressed", f"{path}: not {kind} data (starts with {head!r})"
             )
-        if path.endswith(".gz"):
-            return gzip.open(path, "rb")
-        return io.BufferedReader(_ZstdFrames(path), buffer_size=1 << 20)
+        kind = "gzip" if path.endswith(".gz") else "zstd"
+        return io.BufferedReader(_Members(path, kind), buffer_size=1 << 20)
     return open(path, "rb", buffering=1 << 20)
 
 
