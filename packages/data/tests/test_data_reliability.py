@@ -314,6 +314,20 @@ def test_clean_on_a_full_disk_is_one_line_and_leaves_no_temp_file(tmp_path, tiny
     assert _temporaries(tiny_tmpfs) == []
 
 
+def test_tokenize_on_a_full_disk_is_one_line_and_leaves_no_partial(
+    tmp_path, tiny_tmpfs, char_tok, capsys
+):
+    src = make_corpus(tmp_path / "in", files=1, docs=300)
+    prefix = tiny_tmpfs / "tokens"
+    rc = main(
+        ["tokenize", "--tokenizer", char_tok, "--input", str(src), "--output-prefix", str(prefix)]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.startswith("error: ") and "\n" not in err
+    assert "No space left on device" in err and str(prefix) in err
+    assert sorted(p.name for p in tiny_tmpfs.iterdir()) == []
+
+
 def test_pack_cache_on_a_full_disk_names_the_file_and_leaves_no_temp(tmp_path, tiny_tmpfs):
     prefix = str(tmp_path / "ds")
     with IndexedDatasetBuilder(prefix, dtype=np.uint16) as b:

@@ -357,9 +357,13 @@ def tokenize(
                 + f"; nothing written to {output_prefix}.bin/.idx"
             )
         builder.finalize()
-    except BaseException:
+    except BaseException as exc:
         pool.shutdown(wait=True, cancel_futures=True)
         builder.abort()
+        if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
+            from mindloom_data._writers import named_oserror
+
+            raise named_oserror(exc, output_prefix + ".bin") from None
         raise
     pool.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
