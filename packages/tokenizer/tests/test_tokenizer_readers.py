@@ -35,7 +35,10 @@ def test_every_format_is_read(tmp_path):
     texts = list(iter_texts(tmp_path / "d", stats=stats))
     assert texts[:6] == [r["text"] for r in rows]
     assert texts[6:] == ["parquet one", "parquet two", "line one\nline two\n"]
-    assert stats.files == 5 and not stats.bad
+    assert stats.files == 5
+    # a file of no known format is not read, but counted and named (issue 23)
+    assert dict(stats.bad) == {"unsupported_file": 1}
+    assert stats.examples["unsupported_file"] == [str(tmp_path / "d" / "ignored.csv")]
     # A glob and an explicit file give the same files, sorted and de-duplicated.
     files = resolve_inputs([str(tmp_path / "d" / "*.jsonl*"), tmp_path / "d" / "a.jsonl"])
     assert [f.rsplit("/", 1)[1] for f in files] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
@@ -89,7 +92,7 @@ def test_missing_inputs_are_errors(tmp_path):
         resolve_inputs(tmp_path / "nope.jsonl")
     with pytest.raises(NoInputError, match="no input files matched"):
         resolve_inputs(str(tmp_path / "*.jsonl"))
-    with pytest.raises(NoInputError, match="no input files in directory"):
+    with pytest.raises(NoInputError, match="no input files matched"):
         resolve_inputs(tmp_path)
     (tmp_path / "x.csv").write_text("a")
     with pytest.raises(NoInputError, match="unsupported input file"):

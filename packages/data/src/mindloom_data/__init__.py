@@ -10,6 +10,7 @@ from mindloom_data._pack import PackedDataset
 from mindloom_data._pipeline import CleanError, clean
 from mindloom_data._ranked_tokenize import tokenize_ranks
 from mindloom_data._readers import Document, iter_documents
+from mindloom_data._safe_yaml import load_yaml as safe_load_yaml
 from mindloom_data._tokenize import tokenize
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "bundled_corpus",
     "clean",
     "iter_documents",
+    "safe_load_yaml",
     "tokenize",
     "tokenize_ranks",
 ]

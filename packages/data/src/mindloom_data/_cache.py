@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mindloom_data._writers import WriteOnly, named_oserror
+
 
 def description_hash(description: dict) -> str:
     blob = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
@@ -24,20 +26,35 @@ def description_hash(description: dict) -> str:
 
 def _save_atomic(path: str, arr: np.ndarray) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # e.g. ENOSPC: no temp file left filling the disk, and a name
+        _drop(tmp)
+        raise named_oserror(exc, path) from None
 
 
 def _write_text_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        _drop(tmp)
+        raise named_oserror(exc, path) from None
+
+
+def _drop(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def cached_arrays(

@@ -8,6 +8,9 @@ import sys
 from mindloom_data._executors import ExecutorError, add_executor_args
 from mindloom_data._normalize import MissingExtraError
 from mindloom_data._pipeline import CleanError, clean
+from mindloom_data._safe_yaml import shown
+
+MAX_MESSAGE = 500  # an error may echo a config value or a path: never a wall of text
 
 
 def add_parser(subparsers) -> None:
@@ -41,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("error: --workers must be at least 1", file=sys.stderr)
         return 2
+    mbf = args.max_bad_fraction
+    if mbf is not None and not 0 <= mbf <= 1:  # NaN fails this too
+        print(f"error: --max-bad-fraction must be a number in [0, 1], got {mbf}", file=sys.stderr)
+        return 2
     try:
         from mindloom_data._pipeline import load_config
 
@@ -61,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
             tasks=args.tasks,
         )
     except (CleanError, MissingExtraError, ValueError, ExecutorError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {shown(str(exc), MAX_MESSAGE)}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. ENOSPC writing the report: one line naming the file
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or shown(str(exc), MAX_MESSAGE)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -8,10 +8,23 @@ import sys
 
 import numpy as np
 
+MAX_MESSAGE = 500  # an error can echo a path or a config value: never a wall of text
+
 
 def _error(msg: str) -> int:
-    print(f"error: {' '.join(str(msg).split())}", file=sys.stderr)
+    text = " ".join(str(msg).split())
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + f"... ({len(text) - MAX_MESSAGE} more characters)"
+    print(f"error: {text}", file=sys.stderr)
     return 1
+
+
+def _warn_unsupported(read: dict) -> None:
+    n = read["bad"].get("unsupported_file", 0)
+    if n:
+        shown = ", ".join(read["examples"].get("unsupported_file", []))
+        more = " ..." if n > len(read["examples"].get("unsupported_file", [])) else ""
+        print(f"warning: {n} files of no known format, not read: {shown}{more}", file=sys.stderr)
 
 
 def _errors():
@@ -45,6 +58,11 @@ def add_parser(subparsers) -> None:
         "--chunk-chars", type=int, default=1 << 20, help="encode longer documents in chunks"
     )
     p.add_argument("--force", action="store_true", help="redo even if a completion marker matches")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace PREFIX.bin/.idx that exist from another input or settings",
+    )
     from mindloom_data._executors import add_executor_args
 
     add_executor_args(p, "ranks, each a slice of the input files, merged at the end")
@@ -92,9 +110,11 @@ def run_tokenize(args: argparse.Namespace) -> int:
             txt_mode=args.txt_mode,
             chunk_chars=args.chunk_chars,
             force=args.force,
+            overwrite=args.overwrite,
         )
     except (NoInputError, *_errors()) as exc:
         return _error(exc)
+    _warn_unsupported(stats.read.to_dict())
     if stats.skipped:
         print(
             f"{args.output_prefix}: already complete ({stats.documents} documents, "
@@ -135,6 +155,7 @@ def _run_ranked(args: argparse.Namespace) -> int:
         )
     except (NoInputError, ExecutorError, *_errors()) as exc:
         return _error(exc)
+    _warn_unsupported(r["read"])
     print(
         f"wrote {args.output_prefix}.bin/.idx: {r['documents']} documents, {r['tokens']} tokens "
         f"({r['dtype']}) from {r['ranks']} ranks ({args.executor or 'local'} executor); "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -76,7 +77,8 @@ def check_fault(work: str | os.PathLike, stage: str, rank: int) -> None:
     """Test-only fault injection between a rank's outputs and its completion marker.
 
     `MINDLOOM_DATA_FAULT=STAGE:RANK:once` fails that rank the first time (leaving a marker
-    file under WORK/faults/), `STAGE:RANK:always` every time. The driver's value travels
+    file under WORK/faults/), `STAGE:RANK:always` every time, `STAGE:RANK:hang` blocks
+    there forever (after touching WORK/faults/hang-STAGE-RANK). The driver's value travels
     with each rank, so Ray workers on other nodes see it too.
     """
     spec = _fault if _fault is not None else os.environ.get(FAULT_ENV, "")
@@ -90,6 +92,12 @@ def check_fault(work: str | os.PathLike, stage: str, rank: int) -> None:
                 return
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_bytes(b"")
+        if mode == "hang":  # stays in the rank until killed (process-lifetime tests)
+            marker = Path(work) / "faults" / f"hang-{stage}-{rank}"
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_bytes(b"")
+            while True:
+                time.sleep(3600)
         raise RuntimeError(f"injected fault ({FAULT_ENV}={item})")
 
 
@@ -165,7 +173,15 @@ class LocalExecutor(Executor):
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             ctx = get_context("fork") if os.name == "posix" else get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            from mindloom_data._lifeline import die_with_parent
+
+            # every worker dies with this process, even when it is killed with SIGKILL
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.workers,
+                mp_context=ctx,
+                initializer=die_with_parent,
+                initargs=(os.getpid(),),
+            )
         return self._pool
 
     def map_ranks(self, kind, payload, stage, ranks, on_done) -> None:

@@ -316,13 +316,16 @@ class PackedDataset:
         else:
             names = ("pieces", "sample_starts", "shuffle_index")
             builder = build_best_fit_indices
-        self.index, self.cache_hit = cached_arrays(
-            cache_dir,
-            "PackedDataset",
-            description,
-            names,
-            lambda: builder(lengths, self.documents, self.seq_length, num_samples, self.seed),
-        )
+        try:
+            self.index, self.cache_hit = cached_arrays(
+                cache_dir,
+                "PackedDataset",
+                description,
+                names,
+                lambda: builder(lengths, self.documents, self.seq_length, num_samples, self.seed),
+            )
+        except ValueError as exc:  # e.g. nothing to pack: say which dataset and split
+            raise ValueError(f"{dataset.prefix} (split {name!r}): {exc}") from None
         self.num_samples = len(self.index["shuffle_index"])
 
     def __len__(self) -> int:

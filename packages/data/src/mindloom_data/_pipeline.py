@@ -49,10 +49,12 @@ from mindloom_data._dedup import (
 )
 from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._filters import TextInfo, build_filters
+from mindloom_data._markers import read_rank_marker, reset_outputs, stale_reason, write_clean_marker
 from mindloom_data._minhash import MinHasher
 from mindloom_data._normalize import Normalizer
 from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
+from mindloom_data._safe_yaml import check_finite, load_yaml, shown
 from mindloom_data._writers import (
     SCHEMA,
     JsonlWriter,
@@ -113,38 +115,58 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
     elif isinstance(source, dict):
         user = source
     else:
-        import yaml
-
         path = Path(source)
-        try:
-            user = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except OSError as exc:
-            raise CleanError(f"cannot read config {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise CleanError(
-                f"invalid YAML in {path}{where}: {getattr(exc, 'problem', exc)}"
-            ) from None
+        try:  # bounded: no alias bombs, no oversized files (see _safe_yaml)
+            user = load_yaml(path) or {}
+        except ValueError as exc:
+            raise CleanError(str(exc)) from None
         if not isinstance(user, dict):
             raise CleanError(f"config {path} must be a mapping at the top level")
     cfg = copy.deepcopy(DEFAULTS)
     _overlay(cfg, user, "")
+    _check_values(cfg)
     try:
         build_filters(cfg["filters"])
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
             MinHasher(**{k: m[k] for k in _HASHER_KEYS})
     except (ValueError, TypeError) as exc:
-        raise CleanError(str(exc)) from None
+        raise CleanError(shown(str(exc), 300)) from None
     if not isinstance(cfg["partitions"], int) or cfg["partitions"] < 1:
         raise CleanError("partitions must be a positive integer")
     return cfg
 
 
+def _fraction(cfg: dict, key: str, allow_off: bool) -> None:
+    *parents, last = key.split(".")
+    d = cfg
+    for p in parents:
+        d = d[p]
+    v = d[last]
+    if allow_off and (v is None or v is False):
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+        raise CleanError(f"config key {key} must be a number in [0, 1], got {shown(v)}")
+
+
+def _check_values(cfg: dict) -> None:
+    """Finite numbers everywhere, fractions in [0, 1]: a NaN must never reach report.json."""
+    try:
+        check_finite(cfg)
+    except ValueError as exc:
+        raise CleanError(str(exc)) from None
+    _fraction(cfg, "max_bad_fraction", allow_off=True)
+    _fraction(cfg, "dedup.minhash.threshold", allow_off=True)
+    mc = cfg["dedup"]["paragraph"]["min_chars"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+        raise CleanError(
+            f"config key dedup.paragraph.min_chars must be an integer >= 0, got {shown(mc)}"
+        )
+
+
 def _overlay(base: dict, user: dict, prefix: str) -> None:
     for k, v in user.items():
-        name = f"{prefix}{k}"
+        name = f"{prefix}{shown(k)}"
         if k not in base:
             raise CleanError(f"unknown config key {name} (known: {', '.join(base)})")
         if k == "filters":
@@ -595,8 +617,9 @@ def clean(
         if tasks < 1:
             raise CleanError(f"tasks must be at least 1, got {tasks}")
         cfg["partitions"] = tasks
+    found = ReadStats()  # files of no known format: not read, but counted and listed
     try:
-        files = resolve_inputs(inputs)
+        files = resolve_inputs(inputs, found)
     except ValueError as exc:
         raise CleanError(str(exc)) from None
     out = Path(output)
@@ -615,6 +638,10 @@ def clean(
             )
     elif out.exists() and any(out.glob("shard-*.parquet")):
         raise CleanError(f"{out} already holds shards from another run; choose another --output")
+    stale = stale_reason(out, work, len(files), cfg["output"]["jsonl"])
+    if stale is not None:  # a marker must cover what is there, or nothing is trusted
+        print(f"note: {out}: {stale}; regenerating the whole output", file=sys.stderr)
+        reset_outputs(out, work)
     remove_temporaries(out)
     atomic_write_json(ident_path, ident)
 
@@ -624,6 +651,7 @@ def clean(
     t0 = time.perf_counter()
     ex = make_executor(executor, workers=workers, ray_address=ray_address)
     payload = json.dumps(asdict(run))
+    finished = False
     try:
         for stage, ranks, _ in _stage_fns(run):
             done = 0
@@ -635,7 +663,7 @@ def clean(
                 done += 1
                 if prog.enabled and stage in ("scan", "write"):
                     # The ranks ran elsewhere; their markers carry the counts.
-                    res = json.loads((work / "done" / stage / f"{rank:05d}.json").read_text())
+                    res = read_rank_marker(work / "done" / stage / f"{rank:05d}.json")
                     if stage == "scan":
                         counts["read"] += res["read"]["documents"]
                     for name, st in res["steps"].items():
@@ -646,10 +674,17 @@ def clean(
                 prog.update(stage, done, ranks, note)
 
             ex.map_ranks("clean", payload, stage, ranks, on_done)
+        finished = True
     finally:
         if ex is not executor:
             ex.close()
+        if not finished:  # e.g. ENOSPC: no temporary file is left filling the disk
+            remove_temporaries(out)
     report = build_report(run)
+    if found.counts:
+        read = ReadStats.from_dict(report["read"])
+        read.merge(found)
+        report["read"] = {**read.to_dict(), "bad_fraction": report["read"]["bad_fraction"]}
     report["seconds"] = round(time.perf_counter() - t0, 3)
     atomic_write_json(out / "report.json", report)
     atomic_write_bytes(out / "summary.txt", (summary_text(report) + "\n").encode())
@@ -657,6 +692,7 @@ def clean(
         # The bulky intermediates go; markers, counts and decisions stay so a rerun is a no-op.
         for sub in ("clean", "exch", "sigs"):
             shutil.rmtree(work / sub, ignore_errors=True)
+    write_clean_marker(out, work, run.tasks, cfg["output"]["jsonl"])
     return report
 
 
@@ -664,7 +700,7 @@ def build_report(run: Run) -> dict:
     work = run.w()
 
     def markers(stage, n):
-        return [json.loads((work / "done" / stage / f"{r:05d}.json").read_text()) for r in range(n)]
+        return [read_rank_marker(work / "done" / stage / f"{r:05d}.json") for r in range(n)]
 
     scans = markers("scan", run.tasks)
     writes = markers("write", run.tasks)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mindloom_data._executors import Executor, check_fault, make_executor
+from mindloom_data._markers import read_rank_marker
 from mindloom_data._readers import ReadStats, resolve_inputs
 from mindloom_data._tokenize import DEFAULT_CHUNK_CHARS
 from mindloom_data._writers import atomic_write_json
@@ -49,7 +50,14 @@ def run_rank(run: TokenizeRun, stage: str, rank: int) -> None:
         return
     if stage != "tokenize":
         raise ValueError(f"unknown tokenize stage {stage}")
-    stats = tokenize(run.slice(rank), run.tokenizer, run.prefix(rank), force=True, **run.settings)
+    stats = tokenize(
+        run.slice(rank),
+        run.tokenizer,
+        run.prefix(rank),
+        force=True,
+        allow_empty=True,
+        **run.settings,
+    )
     check_fault(run.work, stage, rank)
     atomic_write_json(marker, stats.to_dict())
 
@@ -77,7 +85,8 @@ def tokenize_ranks(
     """
     from mindloom_data._indexed import merge_datasets
 
-    files = [os.path.abspath(f) for f in resolve_inputs(inputs)]
+    found = ReadStats()  # files of no known format: counted and listed, not read
+    files = [os.path.abspath(f) for f in resolve_inputs(inputs, found)]
     tasks = len(files) if tasks is None else tasks
     if tasks < 1:
         raise ValueError(f"tasks must be at least 1, got {tasks}")
@@ -120,13 +129,21 @@ def tokenize_ranks(
     finally:
         if ex is not executor:
             ex.close()
+    rank_stats = [
+        read_rank_marker(Path(work) / "done" / "tokenize" / f"{r:05d}.json") for r in range(tasks)
+    ]
+    if sum(s["documents"] for s in rank_stats) == 0:
+        raise ValueError(
+            f"no documents to tokenize in {len(files)} input files; "
+            f"nothing written to {output_prefix}.bin/.idx"
+        )
     ds = merge_datasets([run.prefix(r) for r in range(tasks)], output_prefix)
 
     read = ReadStats()
+    read.merge(found)
     report = {"documents": 0, "empty_documents": 0, "chunked_documents": 0, "tokens": 0}
     report["text_bytes"] = 0
-    for r in range(tasks):
-        s = json.loads((Path(work) / "done" / "tokenize" / f"{r:05d}.json").read_text())
+    for s in rank_stats:
         for k in list(report):
             report[k] += s[k]
         read.merge(ReadStats.from_dict(s["read"]))

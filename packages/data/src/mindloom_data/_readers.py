@@ -18,9 +18,7 @@ inputs given (not resolved), so ids are stable across runs with the same inputs.
 
 from __future__ import annotations
 
-import glob
 import gzip
-import io
 import json
 import os
 import zlib
@@ -29,6 +27,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
+from mindloom_tokenizer.inputs import (
+    CompressedStreamError,
+    discover_inputs,
+    open_compressed,
+    stream_error_category,
+)
+from mindloom_tokenizer.inputs import (
+    NoInputError as NoInputError,  # re-exported: the one input error of both packages
+)
 
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
 TXT_MODES = ("paragraph", "file", "line")
@@ -47,12 +54,23 @@ CATEGORIES = (
     "empty_file",
     "whitespace_only_file",
     "truncated_file",
+    "corrupt_file",
+    "not_compressed",
     "unreadable_file",
+    "unsupported_file",
 )
-
-
-class NoInputError(ValueError):
-    """No input file matched (or an input path does not exist)."""
+# Categories that describe a whole file, not a record (not part of the bad fraction).
+FILE_CATEGORIES = frozenset(
+    {
+        "empty_file",
+        "whitespace_only_file",
+        "truncated_file",
+        "corrupt_file",
+        "not_compressed",
+        "unreadable_file",
+        "unsupported_file",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +100,9 @@ class ReadStats:
 
     @property
     def bad_records(self) -> int:
-        files = ("empty_file", "whitespace_only_file", "truncated_file", "unreadable_file")
-        return sum(v for k, v in self.counts.items() if k not in files and k != "blank_line")
+        return sum(
+            v for k, v in self.counts.items() if k not in FILE_CATEGORIES and k != "blank_line"
+        )
 
     def merge(self, other: ReadStats) -> None:
         self.files += other.files
@@ -118,48 +137,22 @@ def _supported(name: str) -> bool:
     return name.endswith(SUFFIXES)
 
 
-def resolve_inputs(inputs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Expand files, directories (recursively) and globs into a sorted, de-duplicated list.
+def resolve_inputs(
+    inputs: str | os.PathLike | Iterable[str | os.PathLike], stats: ReadStats | None = None
+) -> list[str]:
+    """The files to read, by the one discovery rule of `mindloom_tokenizer.inputs`.
 
+    Directories are walked recursively for data files; a `clean` output contributes
+    exactly its kept shards (never `removed/`, reports or the `--jsonl` copies). Files of
+    no known format are counted into `stats` as `unsupported_file` (with their names).
     Raises `NoInputError` (one line) when a path does not exist, a named file has an
-    unsupported suffix, or nothing at all matches.
+    unsupported suffix, a clean output is unfinished, or nothing at all matches.
     """
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    found: list[str] = []
-    for item in inputs:
-        s = os.fspath(item)
-        if glob.has_magic(s):
-            matches = sorted(glob.glob(s, recursive=True))
-            for m in matches:
-                if os.path.isdir(m):
-                    found.extend(_walk(m))
-                elif _supported(m):
-                    found.append(m)
-        elif os.path.isdir(s):
-            found.extend(_walk(s))
-        elif os.path.exists(s):
-            if not _supported(s):
-                raise NoInputError(
-                    f"unsupported input file {s} (expected one of {', '.join(SUFFIXES)})"
-                )
-            found.append(s)
-        else:
-            raise NoInputError(f"input not found: {s}")
-    seen: set[str] = set()
-    files = [f for f in found if not (f in seen or seen.add(f))]
-    if not files:
-        shown = " ".join(os.fspath(i) for i in inputs)
-        raise NoInputError(f"no input files matched: {shown}")
-    return files
-
-
-def _walk(root: str) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if _supported(f))
-    return sorted(out)
+    found = discover_inputs(inputs, SUFFIXES)
+    if stats is not None:
+        for path in found.unsupported:
+            stats.bad("unsupported_file", path, None)
+    return found.files
 
 
 def iter_documents(
@@ -170,7 +163,7 @@ def iter_documents(
 ) -> Iterator[Document]:
     """Stream documents from files, directories and globs (see the module docstring)."""
     stats = ReadStats() if stats is None else stats
-    for path in resolve_inputs(inputs):
+    for path in resolve_inputs(inputs, stats):
         yield from iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode)
 
 
@@ -216,20 +209,15 @@ def _note(stats: ReadStats, path: str, exc: BaseException) -> None:
         stats.examples["errors"].append(f"{path}: {msg}")
 
 
-def _open_binary(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
-
-        raw = open(path, "rb")  # noqa: SIM115 - closed through the reader below
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return open(path, "rb", buffering=1 << 20)
-
+_open_binary = open_compressed  # .gz/.zst read to a verified end (mindloom_tokenizer.inputs)
 
 # Errors that mean "the compressed stream broke here"; records before it are kept.
-_STREAM_ERRORS: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile)
+_STREAM_ERRORS: tuple[type[BaseException], ...] = (
+    CompressedStreamError,
+    EOFError,
+    zlib.error,
+    gzip.BadGzipFile,
+)
 try:
     import zstandard as _zstd
 
@@ -250,7 +238,8 @@ def _lines(path: str, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
                 if not nonblank:
                     nonblank = bool(raw.strip())
     except _STREAM_ERRORS as exc:
-        stats.bad("truncated_file", path, lineno + 1)
+        category = stream_error_category(exc) or "truncated_file"
+        stats.bad(category, path, None if category == "not_compressed" else lineno + 1)
         _note(stats, path, exc)
         return
     except OSError as exc:

@@ -120,7 +120,7 @@ _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 def _texts(inputs, text_key: str, stats: ReadStats, txt_mode: str) -> Iterator[str]:
     """The texts `iter_documents` yields, with the same counts in `stats`, faster for JSONL."""
-    for path in resolve_inputs(inputs):
+    for path in resolve_inputs(inputs, stats):
         if path.endswith(_JSONL):
             # the reader's own JSONL path and counts, without building a Document per line
             if _count_file(path, stats):
@@ -167,8 +167,11 @@ class _Encoder:
 _ENCODER: _Encoder | None = None  # in a worker process
 
 
-def _init_worker(tokenizer_path: str, dtype: str, eos_id: int | None) -> None:
+def _init_worker(tokenizer_path: str, dtype: str, eos_id: int | None, parent: int) -> None:
     global _ENCODER
+    from mindloom_data._lifeline import die_with_parent
+
+    die_with_parent(parent)  # never outlive a killed tokenize
     from mindloom_tokenizer import Tokenizer
 
     _ENCODER = _Encoder(Tokenizer.load(tokenizer_path), np.dtype(dtype), eos_id)
@@ -250,12 +253,16 @@ def tokenize(
     chunk_chars: int = DEFAULT_CHUNK_CHARS,
     task_bytes: int = DEFAULT_TASK_BYTES,
     force: bool = False,
+    overwrite: bool = True,
+    allow_empty: bool = False,
 ) -> TokenizeStats:
     """Tokenize `inputs` into `output_prefix.bin/.idx` (see the module docstring).
 
     A completion marker `output_prefix.done.json` records the inputs, tokenizer and
     settings; a rerun with the same ones finds the files valid and skips the work
-    unless `force`.
+    unless `force`. With `overwrite=False` (the CLI's default), existing `.bin`/`.idx`
+    files that the marker does not vouch for are refused instead of replaced. Zero
+    documents is an error (nothing is written) unless `allow_empty`.
     """
     from mindloom_tokenizer import Tokenizer
 
@@ -281,6 +288,12 @@ def tokenize(
                 return stats
         except (OSError, ValueError):
             pass  # a stale or broken marker: redo the work
+    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.exists(output_prefix + e)]
+    if existing and not (overwrite or force):
+        raise ValueError(
+            f"{existing[0]} already exists and is not the output of this input and settings; "
+            "pass --overwrite to replace it"
+        )
     if os.path.exists(marker):
         os.unlink(marker)
 
@@ -317,7 +330,7 @@ def tokenize(
         # a numpy gather that holds the GIL for most of its time: processes (fork is safe,
         # nothing here has started a thread)
         ctx = mp.get_context("fork")
-        initargs = (tokenizer_path, dtype.str, eos_id)
+        initargs = (tokenizer_path, dtype.str, eos_id, os.getpid())
         pool = ProcessPoolExecutor(workers, ctx, initializer=_init_worker, initargs=initargs)
         encode = _encode_in_worker
     else:
@@ -336,10 +349,21 @@ def tokenize(
         while window:
             fut, fl = window.popleft()
             write(*fut.result(), fl)
+        if stats.documents == 0 and not allow_empty:
+            bad = ", ".join(f"{k} {v}" for k, v in sorted(stats.read.counts.items()))
+            raise ValueError(
+                f"no documents to tokenize in {stats.read.files} input files"
+                + (f" ({bad})" if bad else "")
+                + f"; nothing written to {output_prefix}.bin/.idx"
+            )
         builder.finalize()
-    except BaseException:
+    except BaseException as exc:
         pool.shutdown(wait=True, cancel_futures=True)
         builder.abort()
+        if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
+            from mindloom_data._writers import named_oserror
+
+            raise named_oserror(exc, output_prefix + ".bin") from None
         raise
     pool.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0

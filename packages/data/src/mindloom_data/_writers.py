@@ -6,8 +6,10 @@ renamed, so a killed run leaves only `*.tmp-*` files, which the next run removes
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,36 @@ SCHEMA = pa.schema(
 
 def _tmp(path: Path) -> Path:
     return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+
+def named_oserror(exc: OSError, path: str | Path) -> OSError:
+    """`exc` naming `path`: a failed write() (ENOSPC, EIO) carries no file name, and
+    pyarrow's errors carry only a message."""
+    if exc.filename:
+        return exc
+    code = exc.errno
+    if code is None and "No space left on device" in str(exc):
+        code = errno.ENOSPC
+    reason = os.strerror(code) if code else " ".join(str(exc).split())
+    return OSError(code, reason, str(path))
+
+
+class WriteOnly:
+    """A file seen only through write(): np.save then writes in chunks through Python,
+    so a full disk raises ENOSPC instead of numpy's "N requested and M written"."""
+
+    def __init__(self, f):
+        self.write = f.write
+
+
+@contextmanager
+def _writing(path: Path, tmp: Path):
+    """On an OSError: drop the temporary file (a full disk stays usable) and name `path`."""
+    try:
+        yield
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise named_oserror(exc, path) from None
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -41,8 +73,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(path)
-    tmp.write_bytes(data)
-    _commit(tmp, path)
+    with _writing(path, tmp):
+        tmp.write_bytes(data)
+        _commit(tmp, path)
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
@@ -54,9 +87,10 @@ def save_array(path: str | Path, arr: np.ndarray) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(path)
-    with open(tmp, "wb") as f:
-        np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
-    _commit(tmp, path)
+    with _writing(path, tmp):
+        with open(tmp, "wb") as f:
+            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
+        _commit(tmp, path)
 
 
 class NpyAppender:
@@ -79,7 +113,8 @@ class NpyAppender:
 
     def append(self, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, self.dtype)
-        self._f.write(arr.tobytes())
+        with _writing(self.path, self.tmp):
+            self._f.write(arr.tobytes())
         self.length += len(arr)
 
     def close(self) -> None:
@@ -88,10 +123,11 @@ class NpyAppender:
         text = repr(d).encode("latin1")
         pad = self.HEADER - 10 - len(text) - 1
         header = b"\x93NUMPY\x01\x00" + (self.HEADER - 10).to_bytes(2, "little")
-        self._f.seek(0)
-        self._f.write(header + text + b" " * pad + b"\n")
-        self._f.close()
-        _commit(self.tmp, self.path)
+        with _writing(self.path, self.tmp):
+            self._f.seek(0)
+            self._f.write(header + text + b" " * pad + b"\n")
+            self._f.close()
+            _commit(self.tmp, self.path)
 
 
 def load_array(path: str | Path, cols: int | None = None, dtype=np.uint64, mmap: bool = False):
@@ -141,20 +177,23 @@ class ParquetShardWriter:
         """Many rows at once (after the rows appended so far); columns by schema name."""
         self._flush()
         if table.num_rows:
-            self._writer.write_table(table.select(self.schema.names).cast(self.schema))
+            with _writing(self.path, self.tmp):
+                self._writer.write_table(table.select(self.schema.names).cast(self.schema))
             self.rows += table.num_rows
 
     def _flush(self) -> None:
         if self._cols[0]:
-            self._writer.write_table(
-                pa.table(dict(zip(self.schema.names, self._cols)), schema=self.schema)
-            )
+            with _writing(self.path, self.tmp):
+                self._writer.write_table(
+                    pa.table(dict(zip(self.schema.names, self._cols)), schema=self.schema)
+                )
             self._cols = [[] for _ in self.schema.names]
 
     def close(self) -> None:
         self._flush()
-        self._writer.close()
-        _commit(self.tmp, self.path)
+        with _writing(self.path, self.tmp):
+            self._writer.close()
+            _commit(self.tmp, self.path)
 
     def abort(self) -> None:
         self._writer.close()
@@ -172,13 +211,15 @@ class JsonlWriter:
         self.rows = 0
 
     def write(self, obj: dict) -> None:
-        self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        with _writing(self.path, self.tmp):
+            self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
         self.rows += 1
 
     def close(self) -> None:
-        self._f.flush()
-        self._f.close()
-        _commit(self.tmp, self.path)
+        with _writing(self.path, self.tmp):
+            self._f.flush()
+            self._f.close()
+            _commit(self.tmp, self.path)
 
     def abort(self) -> None:
         self._f.close()

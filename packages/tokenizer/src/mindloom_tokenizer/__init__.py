@@ -3,5 +3,13 @@
 from mindloom_tokenizer.__about__ import __version__
 from mindloom_tokenizer._tokenizer import Tokenizer, TokenizerError
 from mindloom_tokenizer._train import train_tokenizer
+from mindloom_tokenizer.inputs import NoInputError, discover_inputs
 
-__all__ = ["Tokenizer", "TokenizerError", "__version__", "train_tokenizer"]
+__all__ = [
+    "NoInputError",
+    "Tokenizer",
+    "TokenizerError",
+    "__version__",
+    "discover_inputs",
+    "train_tokenizer",
+]

@@ -61,11 +61,11 @@ def evaluate(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
     if num_sentences < 1:
         raise TokenizerError(f"num_sentences must be >= 1, got {num_sentences}")
+    stats = ReadStats()
     try:
-        files = resolve_inputs(inputs)
+        files = resolve_inputs(inputs, stats)  # unsupported files are counted, not read
     except NoInputError as exc:
         raise TokenizerError(str(exc)) from None
-    stats = ReadStats()
     sample, sstats = _sample_sentences(
         files, text_key, stats, num_sentences, MAX_EVAL_SENTENCE_BYTES, seed, lambda _m: None
     )

@@ -12,25 +12,26 @@ never sits in memory at once and a character-level vocabulary still sees the new
 
 from __future__ import annotations
 
-import glob
-import gzip
-import io
 import json
 import os
 import re
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+from mindloom_tokenizer.inputs import (
+    NoInputError,
+    discover_inputs,
+    open_compressed,
+    stream_error_category,
+)
+
+__all__ = ["NoInputError", "ReadStats", "iter_texts", "resolve_inputs"]
 
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
 TXT_CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 5
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-class NoInputError(ValueError):
-    """An input path does not exist, or nothing matched."""
 
 
 @dataclass
@@ -57,56 +58,22 @@ class ReadStats:
         }
 
 
-def resolve_inputs(inputs: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Files, directories (recursive) and globs -> a sorted, de-duplicated list of files."""
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    inputs = [os.fspath(i) for i in inputs]
-    if not inputs:
-        raise NoInputError("no input given")
-    found: list[str] = []
-    for s in inputs:
-        if glob.has_magic(s):
-            matches = sorted(glob.glob(s, recursive=True))
-            if not matches:
-                raise NoInputError(f"no input files matched: {s}")
-            for m in matches:
-                if os.path.isdir(m):
-                    found.extend(_walk(m))
-                elif m.endswith(SUFFIXES):
-                    found.append(m)
-        elif os.path.isdir(s):
-            files = _walk(s)
-            if not files:
-                raise NoInputError(
-                    f"no input files in directory {s} (expected {', '.join(SUFFIXES)})"
-                )
-            found.extend(files)
-        elif os.path.exists(s):
-            if not s.endswith(SUFFIXES):
-                raise NoInputError(f"unsupported input file {s} (expected {', '.join(SUFFIXES)})")
-            found.append(s)
-        else:
-            raise NoInputError(f"input not found: {s}")
-    seen: set[str] = set()
-    files = [f for f in found if not (f in seen or seen.add(f))]
-    if not files:
-        raise NoInputError(f"no input files matched: {' '.join(inputs)}")
-    return files
-
-
-def _walk(root: str) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(SUFFIXES))
-    return sorted(out)
+def resolve_inputs(
+    inputs: str | os.PathLike | Iterable[str | os.PathLike], stats: ReadStats | None = None
+) -> list[str]:
+    """The files to read, by the one discovery rule (`mindloom_tokenizer.inputs`);
+    files found but of no known format are counted into `stats` as `unsupported_file`."""
+    found = discover_inputs(inputs, SUFFIXES)
+    if stats is not None:
+        for path in found.unsupported:
+            stats.count_bad("unsupported_file", path)
+    return found.files
 
 
 def iter_texts(inputs, text_key: str = "text", stats: ReadStats | None = None) -> Iterator[str]:
     """Stream the texts of every input file (see the module docstring)."""
     stats = ReadStats() if stats is None else stats
-    for path in resolve_inputs(inputs):
+    for path in resolve_inputs(inputs, stats):
         stats.files += 1
         try:
             if os.path.getsize(path) == 0:
@@ -122,22 +89,10 @@ def iter_texts(inputs, text_key: str = "text", stats: ReadStats | None = None) -
             stats.count_bad("unreadable_file", f"{path}: {exc.strerror or exc}")
 
 
-def _open_binary(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        import zstandard
-
-        raw = open(path, "rb")  # noqa: SIM115 - closed through the wrapper
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader)
-    return open(path, "rb")  # noqa: SIM115
-
-
 def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[str]:
     lineno = 0
     try:
-        with _open_binary(path) as f:
+        with open_compressed(path) as f:
             for raw in f:
                 lineno += 1
                 stats.bytes += len(raw)
@@ -174,13 +129,12 @@ def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[str]:
                     text = _SURROGATE.sub("\ufffd", text)
                 stats.documents += 1
                 yield text
-    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        stats.count_bad("truncated_file", f"{path}:{lineno + 1}: {exc}")
     except Exception as exc:
-        if type(exc).__name__ == "ZstdError":
-            stats.count_bad("truncated_file", f"{path}:{lineno + 1}: {exc}")
-        else:
+        category = stream_error_category(exc)
+        if category is None:
             raise
+        where = path if category == "not_compressed" else f"{path}:{lineno + 1}"
+        stats.count_bad(category, f"{where}: {exc}")
 
 
 def _iter_parquet(path: str, text_key: str, stats: ReadStats) -> Iterator[str]:

@@ -111,15 +111,15 @@ def train_tokenizer(
             "have none"
         )
 
+    stats = ReadStats()
     try:
-        files = resolve_inputs(inputs)
+        files = resolve_inputs(inputs, stats)  # unsupported files are counted, not read
     except NoInputError as exc:
         raise TokenizerError(str(exc)) from None
     out_dir = os.fspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise TokenizerError(f"output {out_dir} exists and is not a directory")
 
-    stats = ReadStats()
     t0 = time.monotonic()
     say(f"reading {len(files)} file(s)")
     if model_type == "char":
@@ -142,6 +142,14 @@ def train_tokenizer(
     if stats.bad:
         bad = ", ".join(f"{k}={v}" for k, v in sorted(stats.bad.items()))
         say(f"warning: skipped bad input records: {bad}")
+        if stats.bad.get("unsupported_file"):
+            shown = ", ".join(stats.examples["unsupported_file"])
+            more = (
+                " ..."
+                if stats.bad["unsupported_file"] > len(stats.examples["unsupported_file"])
+                else ""
+            )
+            say(f"warning: files of no known format, not read: {shown}{more}")
     if model_type != "char":
         say(
             f"read {stats.bytes / 1e6:.1f} MB in {read_s:.1f}s: {sample_stats['sentences_seen']:,} "
