@@ -5,7 +5,16 @@ from mindspore import Tensor
 
 
 def test_presets_exist_and_match_the_issue():
-    assert preset_names() == ["debug", "shakespeare-char", "17m", "llama-1b", "llama2-7b"]
+    assert preset_names() == [
+        "debug",
+        "shakespeare-char",
+        "17m",
+        "llama-1b",
+        "llama2-7b",
+        "deepseek-v3-debug",
+        "deepseek-v3-small",
+        "deepseek-v3-671b",
+    ]
     sc = get_preset("shakespeare-char")
     assert (sc.num_layers, sc.num_heads, sc.hidden_size, sc.max_seq_len, sc.vocab_size) == (
         4,

@@ -1,6 +1,13 @@
 """mindloom_model: a Llama-family decoder in MindSpore. See the package README."""
 
 from mindloom_model.__about__ import __version__
+from mindloom_model._deepseek import (
+    DeepseekV3,
+    DeepseekV3WithLoss,
+    moe_route_reference,
+    update_expert_bias,
+    yarn_inv_freq,
+)
 from mindloom_model._generate import generate
 from mindloom_model._hf import HFFormatError, load_hf, save_hf
 from mindloom_model._llama import (
@@ -15,6 +22,8 @@ from mindloom_model._llama import (
 )
 
 __all__ = [
+    "DeepseekV3",
+    "DeepseekV3WithLoss",
     "HFFormatError",
     "Llama",
     "LlamaWithLoss",
@@ -25,7 +34,10 @@ __all__ = [
     "generate",
     "get_preset",
     "load_hf",
+    "moe_route_reference",
     "preset_names",
     "rope_cos_sin",
     "save_hf",
+    "update_expert_bias",
+    "yarn_inv_freq",
 ]

@@ -15,6 +15,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindloom_model._deepseek import DeepseekV3, MLACachedDecoder, mla_empty_cache
 from mindloom_model._llama import Llama, attention, rope_cos_sin
 
 
@@ -72,11 +73,16 @@ _decoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _decoder(model: Llama) -> _CachedDecoder:
     # kept outside the model so the decoder never shows up among its cells or parameters
     if model not in _decoders:
-        _decoders[model] = _CachedDecoder(model)
+        if isinstance(model, DeepseekV3):
+            _decoders[model] = MLACachedDecoder(model)
+        else:
+            _decoders[model] = _CachedDecoder(model)
     return _decoders[model]
 
 
 def _empty_cache(model: Llama, batch: int):
+    if isinstance(model, DeepseekV3):
+        return mla_empty_cache(model, batch)
     attn = model.layers[0].attn
     shape = (len(model.layers), batch, attn.n_kv_heads, model.config.max_seq_len, attn.head_dim)
     z = Tensor(np.zeros(shape, np.float32)).astype(model.compute_dtype)

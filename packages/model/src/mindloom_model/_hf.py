@@ -93,7 +93,10 @@ def config_from_hf(d: dict, where: str = CONFIG, **overrides) -> ModelConfig:
     if d.get("model_type", "llama") not in ("llama", "mistral") and "LlamaForCausalLM" not in d.get(
         "architectures", []
     ):
-        raise HFFormatError(f"{where}: model_type {d.get('model_type')!r} is not a Llama model")
+        raise HFFormatError(
+            f"{where}: model_type {d.get('model_type')!r} is not one mindloom reads "
+            "(llama, mistral, deepseek_v3)"
+        )
     if d.get("hidden_act", "silu") != "silu":
         raise HFFormatError(
             f"{where}: hidden_act {d['hidden_act']!r} is not supported (only 'silu')"
@@ -262,6 +265,10 @@ def save_hf(
     directory with a config is complete.
     """
     cfg = model.config
+    if cfg.family == "deepseek_v3":
+        from mindloom_model._hf_deepseek import save_deepseek_hf
+
+        return save_deepseek_hf(model, out_dir, dtype, **config_extra)
     names = hf_names(cfg)
     params = {p.name: p for p in model.get_parameters()}
     tensors = {}
@@ -345,6 +352,10 @@ def load_hf(path: str | os.PathLike, **overrides) -> Llama:
         raise HFFormatError(f"{cfg_path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise HFFormatError(f"{cfg_path}: not a JSON object")
+    if raw.get("model_type") == "deepseek_v3":
+        from mindloom_model._hf_deepseek import load_deepseek_hf
+
+        return load_deepseek_hf(root, raw, str(cfg_path), **overrides)
     cfg = config_from_hf(raw, str(cfg_path), **overrides)
 
     expected = _expected_shapes(cfg)

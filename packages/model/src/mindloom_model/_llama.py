@@ -70,6 +70,37 @@ class ModelConfig:
     # "eager" is the portable ops path; "flash" uses ops.flash_attention_score on Ascend
     # and falls back to "eager" elsewhere (logged once)
     attention_impl: str = "eager"
+    # --- model family. "llama" reads only the fields above; "deepseek_v3" (MLA attention,
+    # DeepSeekMoE, multi-token prediction: see _deepseek.py) also reads the fields below,
+    # named as in Hugging Face's DeepseekV3Config so config.json maps one to one.
+    family: str = "llama"
+    # RoPE scaling (deepseek_v3): None, or YaRN {"type": "yarn", "factor",
+    # "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+    rope_scaling: dict | None = None
+    q_lora_rank: int | None = None  # rank of the compressed query; None = a plain q_proj
+    kv_lora_rank: int = 0  # width of the joint key/value latent (what the KV cache stores)
+    qk_nope_head_dim: int = 0  # per-head query/key width without RoPE
+    qk_rope_head_dim: int = 0  # per-head query width with RoPE; the RoPE key is shared by heads
+    v_head_dim: int = 0  # per-head value width
+    rope_interleave: bool = True  # RoPE on interleaved pairs (DeepSeek's layout)
+    n_routed_experts: int = 0  # E
+    n_shared_experts: int = 0  # always-on experts, moe_intermediate_size wide each
+    num_experts_per_tok: int = 0  # k, routed experts per token
+    moe_intermediate_size: int = 0  # Fm, width of one expert
+    n_group: int = 1  # expert groups; a token picks topk_group groups, then k experts in them
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the (normalised) top-k weights
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 0  # the first layers keep a dense SwiGLU (ffn_hidden_size)
+    scoring_func: str = "sigmoid"
+    # tokens an expert takes at most, as a multiple of the even share N*k/E; None = dropless
+    moe_capacity_factor: float | None = None
+    # auxiliary-loss-free balancing: after each optimizer step every expert's selection
+    # bias moves by this much towards the mean load (sign rule of DeepSeek-V3)
+    moe_bias_update_speed: float = 0.001
+    moe_aux_loss_weight: float = 0.0  # sequence-wise balance loss; 0 = off
+    num_nextn_predict_layers: int = 0  # multi-token prediction depth
+    mtp_loss_weight: float = 0.3  # lambda: total = main + lambda * mean(MTP losses)
 
     def __post_init__(self):
         if self.num_kv_heads is None:
@@ -92,11 +123,19 @@ class ModelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(f"{key} must be a positive integer, found {v!r}")
-        if self.hidden_size % self.num_heads:
+        if self.family not in ("llama", "deepseek_v3"):
+            bad(f"family must be 'llama' or 'deepseek_v3', found {self.family!r}")
+        if self.family == "deepseek_v3":
+            from mindloom_model._deepseek import validate_deepseek
+
+            validate_deepseek(self, bad)
+        elif self.rope_scaling is not None:
+            bad("rope_scaling is read by the deepseek_v3 family only (Llama uses plain RoPE)")
+        if self.family == "llama" and self.hidden_size % self.num_heads:
             bad(f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}")
         if self.num_heads % self.num_kv_heads:
             bad(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
-        if self.head_dim % 2:
+        if self.family == "llama" and self.head_dim % 2:
             bad(f"head_dim={self.head_dim} (hidden_size/num_heads) must be even for RoPE")
         if self.param_dtype not in _DTYPES:
             bad(f"param_dtype must be one of {sorted(_DTYPES)}, found {self.param_dtype!r}")
@@ -131,6 +170,10 @@ class ModelConfig:
         include_embeddings=False leaves out the token embedding table (a lookup, not a
         matmul); an untied lm_head is a matmul and stays in.
         """
+        if self.family == "deepseek_v3":
+            from mindloom_model._deepseek import deepseek_num_params
+
+            return deepseek_num_params(self, include_embeddings)
         d, f, dh = self.hidden_size, self.ffn_hidden_size, self.head_dim
         attn = d * self.num_heads * dh * 2 + d * self.num_kv_heads * dh * 2  # wq, wo, wk, wv
         per_layer = attn + 3 * d * f + 2 * d  # + w1, w2, w3 + two norms
@@ -151,6 +194,10 @@ class ModelConfig:
         counted over the full S x S square as in PaLM's MFU definition.
         """
         s = self.max_seq_len if seq_length is None else seq_length
+        if self.family == "deepseek_v3":
+            from mindloom_model._deepseek import deepseek_flops_per_token
+
+            return deepseek_flops_per_token(self, s)
         n_matmul = self.num_params(include_embeddings=False)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.hidden_size
@@ -204,6 +251,94 @@ _PRESETS = {
         num_heads=32,
         ffn_hidden_size=11008,
         max_seq_len=4096,
+        compute_dtype="bfloat16",
+    ),
+    # ---- the DeepSeek-V3 family (see _deepseek.py)
+    # a few hundred thousand parameters: trains in seconds on the CPU
+    "deepseek-v3-debug": dict(
+        family="deepseek_v3",
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        ffn_hidden_size=128,
+        max_seq_len=32,
+        rms_norm_eps=1e-6,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+    ),
+    # ~25M parameters in all, ~6M active per token: the CPU demo size
+    "deepseek-v3-small": dict(
+        family="deepseek_v3",
+        vocab_size=8000,
+        hidden_size=256,
+        num_layers=6,
+        num_heads=8,
+        ffn_hidden_size=1024,
+        max_seq_len=256,
+        rms_norm_eps=1e-6,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+    ),
+    # the published DeepSeek-V3 (671B + the 14B MTP module): for accounting and memory
+    # estimates; never instantiated here
+    "deepseek-v3-671b": dict(
+        family="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_heads=128,
+        ffn_hidden_size=18432,
+        max_seq_len=163840,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=3,
+        num_nextn_predict_layers=1,
         compute_dtype="bfloat16",
     ),
 }
