@@ -10,7 +10,7 @@ from mindloom_data._pack import PackedDataset
 from mindloom_data._pipeline import CleanError, clean
 from mindloom_data._ranked_tokenize import tokenize_ranks
 from mindloom_data._readers import Document, iter_documents
-from mindloom_data._tokenize import tokenize
+from mindloom_data._tokenize import read_dataset_metadata, tokenize
 
 __all__ = [
     "BlendedDataset",
@@ -30,6 +30,7 @@ __all__ = [
     "bundled_corpus",
     "clean",
     "iter_documents",
+    "read_dataset_metadata",
     "tokenize",
     "tokenize_ranks",
 ]
