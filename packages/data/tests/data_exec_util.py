@@ -24,7 +24,11 @@ def make_doc(rng: random.Random, n: int) -> str:
 
 
 def make_corpus(
-    root: Path, files: int = 6, docs: int = 400, seed: int = 0, words: tuple[int, int] = (40, 120),
+    root: Path,
+    files: int = 6,
+    docs: int = 400,
+    seed: int = 0,
+    words: tuple[int, int] = (40, 120),
     with_ids: bool = False,
 ) -> Path:
     """`files * docs` documents of `words` words: ~5% exact and ~7% near duplicates (also
@@ -67,9 +71,7 @@ def outcome(out: Path) -> dict:
     the aggregated counts of the report."""
     kept = []
     for p in sorted(out.glob("shard-*.parquet")):
-        kept.extend(
-            (r["id"], r["text"], r.get("metadata")) for r in pq.read_table(p).to_pylist()
-        )
+        kept.extend((r["id"], r["text"], r.get("metadata")) for r in pq.read_table(p).to_pylist())
     removed = set()
     for p in sorted((out / "removed").rglob("*.jsonl")):
         for line in p.read_text().splitlines():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
-from mindloom_data import bundled_corpus, clean, read_dataset_metadata, tokenize
+from mindloom_data import clean, read_dataset_metadata, tokenize
 from mindloom_data._cli import main
 from mindloom_tokenizer import train_tokenizer
 
@@ -61,7 +61,11 @@ def test_clean_keeps_ids_and_metadata_with_1_and_2_workers(cleaned):
     one, two = _files(root / "w1"), _files(root / "w2")
     assert one == two  # byte-identical kept and removed outputs
     records = _records(src)
-    rows = [r for p in sorted((root / "w1").glob("shard-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    rows = [
+        r
+        for p in sorted((root / "w1").glob("shard-*.parquet"))
+        for r in pq.read_table(p).to_pylist()
+    ]
     assert len(rows) > 200
     own = 0
     for r in rows:
@@ -71,8 +75,14 @@ def test_clean_keeps_ids_and_metadata_with_1_and_2_workers(cleaned):
         assert json.loads(r["metadata"]) == _datatrove_metadata(rec)
     assert 0 < own < len(rows)  # both kinds of record were kept
     # the JSON Lines output holds metadata as an object, as datatrove's writer does
-    jl = [json.loads(x) for p in sorted((root / "w1").glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
-    assert [(x["id"], x["metadata"]) for x in jl] == [(r["id"], json.loads(r["metadata"])) for r in rows]
+    jl = [
+        json.loads(x)
+        for p in sorted((root / "w1").glob("shard-*.jsonl"))
+        for x in p.read_text().splitlines()
+    ]
+    assert [(x["id"], x["metadata"]) for x in jl] == [
+        (r["id"], json.loads(r["metadata"])) for r in rows
+    ]
 
 
 def test_removed_outputs_carry_ids_and_metadata(cleaned):
@@ -97,7 +107,9 @@ def test_custom_id_key_and_parquet_input(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["clean", str(path), "-o", str(tmp_path / "o"), "--id-key", "doc", "-q"]) == 0
     got = pq.read_table(tmp_path / "o" / "shard-00000.parquet").to_pylist()
-    assert {r["id"]: json.loads(r["metadata"]) for r in got} == {f"k{i}": {"lang": "en"} for i in range(4)}
+    assert {r["id"]: json.loads(r["metadata"]) for r in got} == {
+        f"k{i}": {"lang": "en"} for i in range(4)
+    }
     # the cleaned shard read again: ids and metadata come back (source/line become metadata)
     clean(tmp_path / "o" / "shard-00000.parquet", tmp_path / "o2", progress=False)
     again = pq.read_table(tmp_path / "o2" / "shard-00000.parquet").to_pylist()
@@ -107,9 +119,9 @@ def test_custom_id_key_and_parquet_input(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
+def tok_dir(tmp_path_factory, cleaned):
     out = tmp_path_factory.mktemp("tok")
-    train_tokenizer([str(bundled_corpus())], out, vocab_size=600, model_type="bpe")
+    train_tokenizer([str(cleaned[0])], out, vocab_size=400, model_type="bpe")
     return out
 
 
@@ -120,7 +132,9 @@ def mcore():
 
 @pytest.mark.parametrize("bos", [False, True])
 @pytest.mark.parametrize("chunk_chars", [1 << 20, 40])
-def test_tokenize_bos_and_docmeta_align_with_megatron(tmp_path, tok_dir, cleaned, mcore, bos, chunk_chars):
+def test_tokenize_bos_and_docmeta_align_with_megatron(
+    tmp_path, tok_dir, cleaned, mcore, bos, chunk_chars
+):
     src, root = cleaned
     shards = sorted(str(p) for p in (root / "w1").glob("shard-*.parquet"))
     prefix = tmp_path / "ds"
@@ -144,7 +158,12 @@ def test_tokenize_bos_and_docmeta_align_with_megatron(tmp_path, tok_dir, cleaned
         assert ids[0] == sp.bos_id() if bos else ids[0] != sp.bos_id()
         assert ids.count(sp.bos_id()) == bos and ids[-1] == sp.eos_id()
         md = _datatrove_metadata(rec)
-        assert side[i] == {"id": side[i]["id"], "url": md["url"], "lang": md.get("lang"), "missing": None}
+        assert side[i] == {
+            "id": side[i]["id"],
+            "url": md["url"],
+            "lang": md.get("lang"),
+            "missing": None,
+        }
     # the Megatron bytes do not depend on the side files
     plain = tmp_path / "plain"
     tokenize(shards, tok_dir, plain, append_bos=bos, chunk_chars=chunk_chars)
@@ -169,8 +188,19 @@ def test_ranked_tokenize_merges_side_files(tmp_path, tok_dir, cleaned):
 def test_bos_without_a_bos_id_is_one_line(tmp_path, capsys, cleaned):
     _, root = cleaned
     tok = tmp_path / "tok"
-    train_tokenizer([str(bundled_corpus())], tok, vocab_size=400, model_type="bpe", bos_id=-1)
+    train_tokenizer([str(cleaned[0])], tok, vocab_size=300, model_type="bpe", bos_id=-1)
     shard = str(next((root / "w1").glob("shard-*.parquet")))
-    rc = main(["tokenize", "--tokenizer", str(tok), "--input", shard, "--output-prefix", str(tmp_path / "x"), "--bos"])
+    rc = main(
+        [
+            "tokenize",
+            "--tokenizer",
+            str(tok),
+            "--input",
+            shard,
+            "--output-prefix",
+            str(tmp_path / "x"),
+            "--bos",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "has no BOS id" in err and len(err.strip().splitlines()) == 1

@@ -26,7 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workers", "-j", type=int, default=1, help="processes (default 1)")
     add_executor_args(p, "ranks of the hash-partitioned dedup stages (default: config partitions)")
     p.add_argument("--text-key", default=None, help="JSON / Parquet field with the text")
-    p.add_argument("--id-key", default=None, help="JSON / Parquet field with the record's id (default id)")
+    p.add_argument(
+        "--id-key", default=None, help="JSON / Parquet field with the record's id (default id)"
+    )
     p.add_argument(
         "--max-bad-fraction",
         type=float,

@@ -55,13 +55,13 @@ from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
 from mindloom_data._writers import (
     SCHEMA,
-    metadata_json,
     JsonlWriter,
     NpyAppender,
     ParquetShardWriter,
     atomic_write_bytes,
     atomic_write_json,
     load_array,
+    metadata_json,
     remove_temporaries,
     save_array,
 )

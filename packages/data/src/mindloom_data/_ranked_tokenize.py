@@ -20,8 +20,8 @@ from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._readers import ReadStats, resolve_inputs
 from mindloom_data._tokenize import (
     DATASET_METADATA_SUFFIX,
-    DOC_METADATA_SUFFIX,
     DEFAULT_CHUNK_CHARS,
+    DOC_METADATA_SUFFIX,
     read_dataset_metadata,
     write_dataset_metadata,
 )

@@ -120,7 +120,9 @@ class ReadStats:
         )
 
 
-def record_identity(obj: dict, text_key: str, id_key: str | None, fallback: str) -> tuple[str, dict]:
+def record_identity(
+    obj: dict, text_key: str, id_key: str | None, fallback: str
+) -> tuple[str, dict]:
     """(id, metadata) of one record, datatrove's adapter: the record's own id (a non-empty
     string or an integer under `id_key`) or `fallback`; the other fields as metadata,
     with a `metadata` object's fields merged in."""

@@ -54,7 +54,11 @@ def best_checkpoint(save_path: str | os.PathLike) -> tuple[Path, float, int]:
             ev = json.loads((root / step_dirname(step) / "common.json").read_text()).get("eval")
         except (OSError, ValueError):
             continue
-        if isinstance(ev, dict) and ev.get("step") == step and isinstance(ev.get("loss"), (int, float)):
+        if (
+            isinstance(ev, dict)
+            and ev.get("step") == step
+            and isinstance(ev.get("loss"), (int, float))
+        ):
             if math.isfinite(ev["loss"]):
                 found.append((float(ev["loss"]), step))
     if not found:
@@ -155,8 +159,6 @@ def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
     from mindloom_model import generate
 
     ids, note = prompt_ids(tok, prompt, contract)
-    if on_ids is not None:
-        on_ids(ids, note)
     bos = len(ids) > 0 and contract is not None and bool(contract.get("append_bos"))
     if not ids:
         raise CommandError("the prompt encodes to no tokens")
@@ -171,6 +173,8 @@ def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
         seed=seed,
     )
     row = [int(i) for i in out[0]]
+    if on_ids is not None:  # what the model was fed, as generate returns it
+        on_ids(row[: len(ids)], note)
     if bos:
         row = row[1:]
     if tok.eos_id >= 0 and tok.eos_id in row[len(ids) - bos :]:

@@ -215,7 +215,9 @@ def describe_contract(contract: dict) -> str:
     if contract.get("append_bos") is None:
         return "BOS/EOS of the training data unknown (no dataset metadata)"
     bos = (
-        f"start with BOS (id {contract['bos_id']})" if contract["append_bos"] else "start without BOS"
+        f"start with BOS (id {contract['bos_id']})"
+        if contract["append_bos"]
+        else "start without BOS"
     )
     eos = f"end with EOS (id {contract['eos_id']})" if contract["append_eos"] else "end without EOS"
     return f"documents {bos} and {eos}"
