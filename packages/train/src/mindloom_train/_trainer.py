@@ -657,7 +657,8 @@ class Trainer:
             else None
         )
         self.data_contract = _data.data_contract(train_prefixes, eval_prefixes, tok)
-        self.log(f"data: {_data.describe_contract(self.data_contract)}")
+        same = "; the held-out data's match" if eval_prefixes else ""
+        self.log(f"data: {_data.describe_contract(self.data_contract)}{same}")
         self._build_model(tok.vocab_size)
         if cfg.precision.compute_dtype != "fp32" and cfg.context.device_target == "CPU":
             self.log(
