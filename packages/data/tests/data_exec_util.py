@@ -24,10 +24,16 @@ def make_doc(rng: random.Random, n: int) -> str:
 
 
 def make_corpus(
-    root: Path, files: int = 6, docs: int = 400, seed: int = 0, words: tuple[int, int] = (40, 120)
+    root: Path,
+    files: int = 6,
+    docs: int = 400,
+    seed: int = 0,
+    words: tuple[int, int] = (40, 120),
+    with_ids: bool = False,
 ) -> Path:
     """`files * docs` documents of `words` words: ~5% exact and ~7% near duplicates (also
-    across files), some too short, one malformed line per file."""
+    across files), some too short, one malformed line per file. `with_ids`: records carry
+    their own `id` (every 9th has none) and metadata fields, one a nested object."""
     rng = random.Random(seed)
     root.mkdir(parents=True, exist_ok=True)
     seen: list[str] = []
@@ -46,7 +52,15 @@ def make_corpus(
             else:
                 text = make_doc(rng, rng.randint(*words))
             seen.append(text)
-            lines.append(json.dumps({"text": text}))
+            rec = {"text": text}
+            if with_ids:
+                k = len(lines)
+                rec = {"url": f"https://example.org/{f}/{k}", "text": text, "n": k}
+                if k % 9:
+                    rec["id"] = f"doc-{f}-{k}"
+                if k % 5 == 0:
+                    rec["metadata"] = {"lang": "en", "score": k / 10}
+            lines.append(json.dumps(rec))
         lines.insert(docs // 2, "{broken json")
         (root / f"part{f}.jsonl").write_text("\n".join(lines) + "\n")
     return root
@@ -57,12 +71,13 @@ def outcome(out: Path) -> dict:
     the aggregated counts of the report."""
     kept = []
     for p in sorted(out.glob("shard-*.parquet")):
-        kept.extend((r["id"], r["text"]) for r in pq.read_table(p).to_pylist())
+        kept.extend((r["id"], r["text"], r.get("metadata")) for r in pq.read_table(p).to_pylist())
     removed = set()
     for p in sorted((out / "removed").rglob("*.jsonl")):
         for line in p.read_text().splitlines():
             r = json.loads(line)
-            removed.add((r["id"], p.parent.name, r["reason"], r.get("duplicate_of")))
+            meta = json.dumps(r.get("metadata"), sort_keys=True)
+            removed.add((r["id"], p.parent.name, r["reason"], r.get("duplicate_of"), meta))
     report = json.loads((out / "report.json").read_text())
     return {
         "kept": kept,
@@ -76,7 +91,7 @@ def outcome(out: Path) -> dict:
 
 def removed_reasons(o: dict) -> dict:
     counts: dict = {}
-    for _, step, reason, _ in o["removed"]:
+    for _, step, reason, *_ in o["removed"]:
         counts[(step, reason)] = counts.get((step, reason), 0) + 1
     return counts
 
@@ -94,7 +109,7 @@ def shared_reference(tmp_path_factory) -> dict:
     root = tmp_path_factory.getbasetemp() / "exec_reference"
     ok = root / "complete"
     if not ok.exists():
-        src = make_corpus(root / "in")
+        src = make_corpus(root / "in", with_ids=True)
         clean(src, root / "clean", workers=1, progress=False)
         train_tokenizer([str(bundled_corpus())], root / "tok", vocab_size=1000, model_type="bpe")
         shards = sorted(str(p) for p in (root / "clean").glob("shard-*.parquet"))

@@ -30,6 +30,9 @@ def add_parser(subparsers) -> None:
     add_executor_args(p, "ranks of the hash-partitioned dedup stages (default: config partitions)")
     p.add_argument("--text-key", default=None, help="JSON / Parquet field with the text")
     p.add_argument(
+        "--id-key", default=None, help="JSON / Parquet field with the record's id (default id)"
+    )
+    p.add_argument(
         "--max-bad-fraction",
         type=float,
         default=None,
@@ -52,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         from mindloom_data._pipeline import load_config
 
         cfg = load_config(args.config)
+        if args.id_key is not None:
+            cfg["id_key"] = args.id_key
         if args.jsonl:
             cfg["output"]["jsonl"] = True
         if args.max_bad_fraction is not None:

@@ -47,6 +47,18 @@ def add_parser(subparsers) -> None:
         help="encoding threads (processes for a char tokenizer; default 1)",
     )
     p.add_argument("--no-eos", action="store_true", help="do not append EOS to each document")
+    p.add_argument(
+        "--bos",
+        action="store_true",
+        help="put BOS before each document (recorded in PREFIX.dataset.json; default off)",
+    )
+    p.add_argument(
+        "--metadata-fields",
+        default=None,
+        metavar="A,B",
+        help="write PREFIX.docmeta.jsonl: each document's id and these fields, in dataset order",
+    )
+    p.add_argument("--id-key", default="id", help="JSON/Parquet field with the record's id")
     p.add_argument("--text-key", default="text", help="JSON/Parquet text field (default text)")
     p.add_argument(
         "--txt-mode",
@@ -97,6 +109,10 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         return _error(f"--workers must be >= 1, got {args.workers}")
+    fields = None
+    if args.metadata_fields is not None:
+        fields = [f.strip() for f in args.metadata_fields.split(",") if f.strip()]
+    args.fields = fields
     if args.executor is not None or args.tasks is not None:
         return _run_ranked(args)
     try:
@@ -106,11 +122,14 @@ def run_tokenize(args: argparse.Namespace) -> int:
             args.output_prefix,
             workers=args.workers,
             append_eos=not args.no_eos,
+            append_bos=args.bos,
             text_key=args.text_key,
             txt_mode=args.txt_mode,
             chunk_chars=args.chunk_chars,
             force=args.force,
             overwrite=args.overwrite,
+            metadata_fields=fields,
+            id_key=args.id_key,
         )
     except (NoInputError, *_errors()) as exc:
         return _error(exc)
@@ -127,7 +146,9 @@ def run_tokenize(args: argparse.Namespace) -> int:
         f"wrote {args.output_prefix}.bin/.idx: {d['documents']} documents, {d['tokens']} tokens "
         f"({d['dtype']}), {d['text_bytes'] / 1e6:.2f} MB in {d['seconds']:.2f} s "
         f"({d['mb_per_s']} MB/s, {args.workers} workers); empty {d['empty_documents']}, "
-        f"chunked {d['chunked_documents']}, bad records {bad}"
+        f"chunked {d['chunked_documents']}, bad records {bad}; documents "
+        f"{'start with BOS' if args.bos else 'without BOS'}, "
+        f"{'end with EOS' if not args.no_eos else 'without EOS'} ({args.output_prefix}.dataset.json)"
     )
     if bad:
         print("bad records: " + json.dumps(dict(stats.read.counts), sort_keys=True))
@@ -149,9 +170,12 @@ def _run_ranked(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             tasks=args.tasks,
             append_eos=not args.no_eos,
+            append_bos=args.bos,
             text_key=args.text_key,
             txt_mode=args.txt_mode,
             chunk_chars=args.chunk_chars,
+            metadata_fields=args.fields,
+            id_key=args.id_key,
         )
     except (NoInputError, ExecutorError, *_errors()) as exc:
         return _error(exc)

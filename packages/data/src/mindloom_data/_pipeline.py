@@ -63,12 +63,14 @@ from mindloom_data._writers import (
     atomic_write_bytes,
     atomic_write_json,
     load_array,
+    metadata_json,
     remove_temporaries,
     save_array,
 )
 
 DEFAULTS: dict = {
     "text_key": "text",
+    "id_key": "id",  # the records' own id; without one a document is "source:line"
     "txt_mode": "paragraph",
     "partitions": 4,
     "max_bad_fraction": None,
@@ -224,14 +226,17 @@ class _Removed:
         self.path = run.out() / "removed" / step / f"shard-{task:05d}.jsonl"
         self._w: JsonlWriter | None = None
 
-    def add(self, doc_id, source, line, reason, text, **extra):
+    def add(self, doc_id, source, line, reason, text, metadata=None, **extra):
         if not self.enabled:
             return
         if self._w is None:
             self._w = JsonlWriter(self.path)
+        if isinstance(metadata, str):  # as the clean intermediate stores it
+            metadata = json.loads(metadata)
         self._w.write(
-            {"id": doc_id, "source": source, "line": line, "reason": reason, **extra, "text": text}
-        )
+            {"id": doc_id, "source": source, "line": line, "reason": reason, **extra,
+             "metadata": metadata or {}, "text": text}
+        )  # fmt: skip
 
     def close(self):
         if self._w is not None:
@@ -306,7 +311,9 @@ def scan_rank(run: Run, task: int) -> dict:
     nst = steps["normalize"]
     key_base = task << LINE_BITS
     exact_on, para_on, para_min = dcfg["exact"], pcfg["enabled"], pcfg["min_chars"]
-    for doc in iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"]):
+    docs = iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"],
+                     id_key=cfg["id_key"])  # fmt: skip
+    for doc in docs:
         text = doc.text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
         nst.docs_in += 1
@@ -316,7 +323,7 @@ def scan_rank(run: Run, task: int) -> dict:
             if not text:
                 nst.drop("empty_after_normalize", doc.id, doc.text)
                 removed["normalize"].add(
-                    doc.id, doc.source, doc.line, "empty_after_normalize", doc.text
+                    doc.id, doc.source, doc.line, "empty_after_normalize", doc.text, doc.metadata
                 )
                 continue
             nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
@@ -330,7 +337,7 @@ def scan_rank(run: Run, task: int) -> dict:
                 stopped[i] += 1
                 stopped_bytes[i] += nbytes
                 steps[f.name].drop(reason, doc.id, text)
-                removed[f.name].add(doc.id, doc.source, doc.line, reason, text)
+                removed[f.name].add(doc.id, doc.source, doc.line, reason, text, doc.metadata)
                 break
         else:
             stopped[-1] += 1
@@ -338,7 +345,7 @@ def scan_rank(run: Run, task: int) -> dict:
         if reason is not None:
             continue
         key = key_base | doc.line
-        clean.append(text, doc.id, doc.source, doc.line, key)
+        clean.append(text, doc.id, doc.source, doc.line, metadata_json(doc.metadata), key)
         lines.append(doc.line)
         if exact_on:
             exact_rows.append((_hash64(text.encode("utf-8")), key))
@@ -437,8 +444,8 @@ def write_rank(run: Run, task: int) -> dict:
         new_text: dict[int, str] = {}
         rows = batch.take(pa.array(hit, pa.int64())).to_pydict() if len(hit) else None
         for j, pos in enumerate(hit.tolist()):
-            text, doc_id, source, line, key = (
-                rows[c][j] for c in ("text", "id", "source", "line", "key")
+            text, doc_id, source, line, meta, key = (
+                rows[c][j] for c in ("text", "id", "source", "line", "metadata", "key")
             )
             nbytes = len(text.encode("utf-8"))
             gone = drop.get(key)
@@ -450,7 +457,8 @@ def write_rank(run: Run, task: int) -> dict:
                     kt, kl = split_key(gone[2])
                     kept_id = f"{run.files[kt]}:{kl}"
                     st.drop(gone[1], doc_id, text)
-                    removed[name].add(doc_id, source, line, gone[1], text, duplicate_of=kept_id)
+                    removed[name].add(doc_id, source, line, gone[1], text, meta,
+                                      duplicate_of=kept_id)  # fmt: skip
                     keep[pos] = False
                     break
                 if name == "paragraph_dedup" and key in paras:
@@ -458,7 +466,9 @@ def write_rank(run: Run, task: int) -> dict:
                     left = [q for i, q in enumerate(parts) if i not in paras[key]]
                     if not left:
                         st.drop("all_paragraphs_duplicate", doc_id, text)
-                        removed[name].add(doc_id, source, line, "all_paragraphs_duplicate", text)
+                        removed[name].add(
+                            doc_id, source, line, "all_paragraphs_duplicate", text, meta
+                        )
                         keep[pos] = False
                         break
                     st.removed["duplicate_paragraphs"] += len(parts) - len(left)
@@ -489,13 +499,13 @@ def write_rank(run: Run, task: int) -> dict:
                 text_col, pa.array(mask), pa.array([new_text[i] for i in sorted(new_text)])
             )
         out = pa.table(
-            [text_col, batch.column("id"), batch.column("source"), batch.column("line")],
-            names=["text", "id", "source", "line"],
+            [text_col, *(batch.column(c) for c in SCHEMA.names[1:])], names=SCHEMA.names
         ).filter(pa.array(keep))
         kept_docs += out.num_rows
         writer.write_table(out)
         if jsonl is not None:
             for rec in out.to_pylist():
+                rec["metadata"] = json.loads(rec["metadata"])  # an object, as datatrove's
                 jsonl.write(rec)
     writer.close()
     if jsonl is not None:

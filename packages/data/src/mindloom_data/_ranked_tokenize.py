@@ -19,7 +19,13 @@ from pathlib import Path
 from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._markers import read_rank_marker
 from mindloom_data._readers import ReadStats, resolve_inputs
-from mindloom_data._tokenize import DEFAULT_CHUNK_CHARS
+from mindloom_data._tokenize import (
+    DATASET_METADATA_SUFFIX,
+    DEFAULT_CHUNK_CHARS,
+    DOC_METADATA_SUFFIX,
+    read_dataset_metadata,
+    write_dataset_metadata,
+)
 from mindloom_data._writers import atomic_write_json
 
 
@@ -76,6 +82,9 @@ def tokenize_ranks(
     txt_mode: str = "paragraph",
     chunk_chars: int = DEFAULT_CHUNK_CHARS,
     keep_work: bool = False,
+    append_bos: bool = False,
+    metadata_fields: list[str] | None = None,
+    id_key: str = "id",
     progress=None,
 ) -> dict:
     """Tokenize `inputs` as `tasks` ranks (default: one per input file) and merge them.
@@ -98,6 +107,10 @@ def tokenize_ranks(
         "txt_mode": txt_mode,
         "chunk_chars": chunk_chars,
     }
+    if append_bos:  # only when set: a run identity from before the option still matches
+        settings["append_bos"] = True
+    if metadata_fields is not None:
+        settings.update(metadata_fields=list(metadata_fields), id_key=id_key)
     work = output_prefix + ".work"
     run = TokenizeRun(files, os.path.abspath(tokenizer_path), output_prefix, work, tasks, settings)
     ident = asdict(run)
@@ -138,6 +151,7 @@ def tokenize_ranks(
             f"nothing written to {output_prefix}.bin/.idx"
         )
     ds = merge_datasets([run.prefix(r) for r in range(tasks)], output_prefix)
+    _merge_side_files(run, output_prefix, tasks)
 
     read = ReadStats()
     read.merge(found)
@@ -151,8 +165,23 @@ def tokenize_ranks(
         dtype=str(ds.dtype), ranks=tasks, read=read.to_dict(), seconds=time.perf_counter() - t0
     )
     for r in range(tasks):
-        for ext in (".bin", ".idx", ".done.json"):
+        for ext in (".bin", ".idx", ".done.json", DATASET_METADATA_SUFFIX, DOC_METADATA_SUFFIX):
             if not keep_work and os.path.exists(run.prefix(r) + ext):
                 os.unlink(run.prefix(r) + ext)
     atomic_write_json(merged, report)
     return report
+
+
+def _merge_side_files(run: TokenizeRun, output_prefix: str, tasks: int) -> None:
+    """PREFIX.dataset.json (counts summed) and PREFIX.docmeta.jsonl (ranks in order), as
+    one `tokenize` of all inputs writes them."""
+    from mindloom_data._writers import atomic_write_bytes
+
+    metas = [read_dataset_metadata(run.prefix(r)) for r in range(tasks)]
+    merged = dict(metas[0])
+    merged["documents"] = sum(m["documents"] for m in metas)
+    merged["tokens"] = sum(m["tokens"] for m in metas)
+    if merged.get("docmeta") is not None:
+        parts = [Path(run.prefix(r) + DOC_METADATA_SUFFIX).read_bytes() for r in range(tasks)]
+        atomic_write_bytes(output_prefix + DOC_METADATA_SUFFIX, b"".join(parts))
+    write_dataset_metadata(output_prefix, merged)

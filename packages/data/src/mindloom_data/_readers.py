@@ -12,8 +12,13 @@ stream goes on with the next record. What counts as a document:
   makes the whole file one document (`line` = 1); `txt_mode="line"` makes each non-blank
   line a document.
 
-A document's id is `"{source}:{line}"`, where `source` is the path as found from the
-inputs given (not resolved), so ids are stable across runs with the same inputs.
+A document's id is the record's own id (JSON Lines and Parquet: the value under `id_key`,
+default `id`, when it is a non-empty string or an integer), else `"{source}:{line}"`,
+where `source` is the path as found from the inputs given (not resolved), so ids are
+stable across runs with the same inputs. A record's other fields become the document's
+`metadata`, as datatrove's readers do: every field but the text and the id, with the
+fields of a `metadata` object (or of a JSON-object string, as cleaned shards store it)
+merged in. `source` and `line` stay the provenance.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class Document:
     id: str
     source: str
     line: int
+    metadata: dict | None = None
 
 
 @dataclass
@@ -133,6 +139,32 @@ class ReadStats:
         )
 
 
+def record_identity(
+    obj: dict, text_key: str, id_key: str | None, fallback: str
+) -> tuple[str, dict]:
+    """(id, metadata) of one record, datatrove's adapter: the record's own id (a non-empty
+    string or an integer under `id_key`) or `fallback`; the other fields as metadata,
+    with a `metadata` object's fields merged in."""
+    own = obj.get(id_key) if id_key else None
+    if type(own) is int or (type(own) is str and own):
+        doc_id = str(own)
+    else:
+        doc_id, id_key = fallback, None
+    meta: dict = {}
+    nested = obj.get("metadata")
+    if type(nested) is str and nested.startswith("{"):
+        try:  # a cleaned shard's metadata column: a JSON object as text
+            nested = json.loads(nested)
+        except ValueError:
+            pass
+    if type(nested) is dict:
+        meta.update(nested)
+    for k, v in obj.items():
+        if k != text_key and k != id_key and not (k == "metadata" and type(nested) is dict):
+            meta[k] = v
+    return doc_id, meta
+
+
 def _supported(name: str) -> bool:
     return name.endswith(SUFFIXES)
 
@@ -160,11 +192,12 @@ def iter_documents(
     text_key: str = "text",
     stats: ReadStats | None = None,
     txt_mode: str = "paragraph",
+    id_key: str | None = "id",
 ) -> Iterator[Document]:
     """Stream documents from files, directories and globs (see the module docstring)."""
     stats = ReadStats() if stats is None else stats
     for path in resolve_inputs(inputs, stats):
-        yield from iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode)
+        yield from iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode, id_key=id_key)
 
 
 def iter_file(
@@ -172,6 +205,7 @@ def iter_file(
     text_key: str = "text",
     stats: ReadStats | None = None,
     txt_mode: str = "paragraph",
+    id_key: str | None = "id",
 ) -> Iterator[Document]:
     """Stream the documents of one file, counting bad records into `stats`."""
     stats = ReadStats() if stats is None else stats
@@ -180,11 +214,11 @@ def iter_file(
     if not _count_file(path, stats):
         return
     if path.endswith(".parquet"):
-        yield from _iter_parquet(path, text_key, stats)
+        yield from _iter_parquet(path, text_key, stats, id_key)
     elif path.endswith(".txt"):
         yield from _iter_txt(path, stats, txt_mode)
     else:
-        yield from _iter_jsonl(path, text_key, stats)
+        yield from _iter_jsonl(path, text_key, stats, id_key)
 
 
 def _count_file(path: str, stats: ReadStats) -> bool:
@@ -252,14 +286,16 @@ def _lines(path: str, stats: ReadStats) -> Iterator[tuple[int, bytes]]:
         stats.bad("whitespace_only_file", path, None)
 
 
-def _iter_jsonl(path: str, text_key: str, stats: ReadStats) -> Iterator[Document]:
-    for lineno, text in _jsonl_texts(path, text_key, stats):
-        yield Document(text, f"{path}:{lineno}", path, lineno)
+def _iter_jsonl(path: str, text_key: str, stats: ReadStats, id_key: str | None = "id"):
+    for lineno, text, obj in _jsonl_texts(path, text_key, stats, records=True):
+        doc_id, meta = record_identity(obj, text_key, id_key, f"{path}:{lineno}")
+        yield Document(text, doc_id, path, lineno, meta)
 
 
-def _jsonl_texts(path: str, text_key: str, stats: ReadStats) -> Iterator[tuple[int, str]]:
+def _jsonl_texts(path: str, text_key: str, stats: ReadStats, records: bool = False):
     """(line number, text) of every good record, bad ones counted into `stats`; the
-    tokenizer reads through this directly, without building `Document`s."""
+    tokenizer reads through this directly, without building `Document`s. With `records`,
+    (line number, text, the record's dict)."""
     pending_blank: list[int] = []
     seen_record = False
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
@@ -276,7 +312,7 @@ def _jsonl_texts(path: str, text_key: str, stats: ReadStats) -> Iterator[tuple[i
             if type(text) is str and text and not text.isspace():
                 seen_record = True
                 stats.documents += 1
-                yield lineno, text
+                yield (lineno, text, obj) if records else (lineno, text)
                 continue
         if not raw.strip():
             pending_blank.append(lineno)
@@ -314,7 +350,7 @@ def _jsonl_texts(path: str, text_key: str, stats: ReadStats) -> Iterator[tuple[i
             stats.bad("empty_text", path, lineno)
             continue
         stats.documents += 1
-        yield lineno, text
+        yield (lineno, text, obj) if records else (lineno, text)
     if seen_record:
         for b in pending_blank:
             stats.bad("blank_line", path, b)
@@ -363,7 +399,9 @@ def _iter_txt(path: str, stats: ReadStats, mode: str) -> Iterator[Document]:
         yield Document(text, f"{path}:{start}", path, start)
 
 
-def _iter_parquet(path: str, text_key: str, stats: ReadStats) -> Iterator[Document]:
+def _iter_parquet(
+    path: str, text_key: str, stats: ReadStats, id_key: str | None = "id"
+) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     try:
@@ -381,9 +419,13 @@ def _iter_parquet(path: str, text_key: str, stats: ReadStats) -> Iterator[Docume
         stats.bad("missing_text_key", path, None, n=rows)
         return
     row = 0
+    names = pf.schema_arrow.names
     try:
-        for batch in pf.iter_batches(batch_size=4096, columns=[text_key]):
-            for text in batch.column(0).to_pylist():
+        # every column: the others are the records' ids and metadata
+        for batch in pf.iter_batches(batch_size=4096):
+            texts = batch.column(names.index(text_key)).to_pylist()
+            others = batch.to_pylist() if len(names) > 1 else None
+            for i, text in enumerate(texts):
                 row += 1
                 if text is None:
                     stats.bad("null_text", path, row)
@@ -393,7 +435,12 @@ def _iter_parquet(path: str, text_key: str, stats: ReadStats) -> Iterator[Docume
                     stats.bad("empty_text", path, row)
                 else:
                     stats.documents += 1
-                    yield Document(text, f"{path}:{row}", path, row)
+                    doc_id, meta = (
+                        record_identity(others[i], text_key, id_key, f"{path}:{row}")
+                        if others is not None
+                        else (f"{path}:{row}", {})
+                    )
+                    yield Document(text, doc_id, path, row, meta)
     except OSError as exc:  # a truncated or corrupt column chunk
         stats.bad("truncated_file", path, row + 1)
         _note(stats, path, exc)

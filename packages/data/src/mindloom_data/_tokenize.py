@@ -15,6 +15,13 @@ tokenizer (a numpy gather that mostly holds the GIL) gets forked processes inste
 The main thread writes the token arrays in input order through `IndexedDatasetBuilder`,
 which renames the files into place only when complete. The same input and settings
 therefore give byte-identical files, whatever the number of workers.
+
+Next to the Megatron files (whose bytes these never change), `PREFIX.dataset.json`
+records how the documents were made: `append_bos`, `append_eos`, the BOS/EOS ids, the
+tokenizer and the counts; training, evaluation and `mindloom generate` read it to feed
+the model what the data held. With `metadata_fields`, `PREFIX.docmeta.jsonl` holds one
+JSON object per document of the `.bin/.idx`, in dataset order (line i = sequence i):
+the document's `id` and each requested field (null when a record has none).
 """
 
 from __future__ import annotations
@@ -38,8 +45,14 @@ from mindloom_data._readers import (
     _count_file,
     _jsonl_texts,
     iter_file,
+    record_identity,
     resolve_inputs,
 )
+from mindloom_data._writers import JsonlWriter, atomic_write_json
+
+DATASET_METADATA_SUFFIX = ".dataset.json"
+DOC_METADATA_SUFFIX = ".docmeta.jsonl"
+DATASET_METADATA_FORMAT = "mindloom-dataset/1"
 
 DEFAULT_CHUNK_CHARS = 1 << 20
 DEFAULT_TASK_BYTES = 1 << 18  # small enough to keep every worker busy on a few MB
@@ -118,39 +131,85 @@ def chunking_mode(tok) -> bool | None:
 _JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 
 
-def _texts(inputs, text_key: str, stats: ReadStats, txt_mode: str) -> Iterator[str]:
-    """The texts `iter_documents` yields, with the same counts in `stats`, faster for JSONL."""
+def _texts(
+    inputs, text_key: str, stats: ReadStats, txt_mode: str, docmeta: _DocMetadata | None = None
+) -> Iterator[str]:
+    """The texts `iter_documents` yields, with the same counts in `stats`, faster for JSONL.
+    With `docmeta`, each document's id and chosen fields are queued there, in order."""
     for path in resolve_inputs(inputs, stats):
         if path.endswith(_JSONL):
             # the reader's own JSONL path and counts, without building a Document per line
-            if _count_file(path, stats):
+            if not _count_file(path, stats):
+                continue
+            if docmeta is None:
                 for _, text in _jsonl_texts(path, text_key, stats):
                     yield text
+                continue
+            for lineno, text, obj in _jsonl_texts(path, text_key, stats, records=True):
+                docmeta.queue(*record_identity(obj, text_key, docmeta.id_key, f"{path}:{lineno}"))
+                yield text
         else:
-            for doc in iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode):
+            docs = iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode,
+                             id_key=None if docmeta is None else docmeta.id_key)  # fmt: skip
+            for doc in docs:
+                if docmeta is not None:
+                    docmeta.queue(doc.id, doc.metadata)
                 yield doc.text
+
+
+class _DocMetadata:
+    """PREFIX.docmeta.jsonl: the queued documents' lines, written as the documents are
+    (an empty document is dropped from both), so line i is sequence i."""
+
+    def __init__(self, prefix: str, fields: list[str], id_key: str | None) -> None:
+        self.fields = fields
+        self.id_key = id_key
+        self.pending: deque = deque()
+        self.writer = JsonlWriter(prefix + DOC_METADATA_SUFFIX)
+
+    def queue(self, doc_id: str, metadata: dict | None) -> None:
+        meta = metadata or {}
+        line = {"id": doc_id}
+        for f in self.fields:
+            if f != "id":
+                line[f] = meta.get(f)
+        self.pending.append(line)
+
+    def done(self, kept: bool) -> None:
+        line = self.pending.popleft()
+        if kept:
+            self.writer.write(line)
 
 
 # -- encoding ----------------------------------------------------------------------------
 
 
 class _Encoder:
-    """Encodes a task into its final bytes (EOS after each document's last chunk) and
-    the number of tokens each text contributes.
+    """Encodes a task into its final bytes (BOS before each document's first chunk, EOS
+    after its last) and the number of tokens each text contributes.
 
     Called from several threads at once: SentencePiece releases the GIL while it
     encodes, so threads in one process share the work without a worker start-up, a
     second copy of the model or pickling the texts and tokens between processes.
     """
 
-    def __init__(self, tok, dtype: np.dtype, eos_id: int | None) -> None:
+    def __init__(self, tok, dtype: np.dtype, eos_id: int | None, bos_id: int | None = None):
         self.tok = tok
         self.dtype = np.dtype(dtype)
         self.eos = [] if eos_id is None else [eos_id]
+        self.bos = bos_id
 
-    def __call__(self, texts: list[str], last: list[bool] | None) -> tuple[bytes, np.ndarray]:
+    def __call__(
+        self, texts: list[str], last: list[bool] | None, first: list[bool] | None = None
+    ) -> tuple[bytes, np.ndarray]:
         tok = self.tok
         ids = tok.encode_batch(texts, num_threads=1) if len(texts) > 1 else [tok.encode(texts[0])]
+        if self.bos is not None:
+            for k, is_first in enumerate(repeat(True) if first is None else first):
+                if k >= len(ids):
+                    break
+                if is_first:
+                    ids[k].insert(0, self.bos)
         if self.eos:
             eos = self.eos
             for x, is_last in zip(ids, repeat(True) if last is None else last):
@@ -167,18 +226,20 @@ class _Encoder:
 _ENCODER: _Encoder | None = None  # in a worker process
 
 
-def _init_worker(tokenizer_path: str, dtype: str, eos_id: int | None, parent: int) -> None:
+def _init_worker(
+    tokenizer_path: str, dtype: str, eos_id: int | None, bos_id: int | None, parent: int
+) -> None:
     global _ENCODER
     from mindloom_data._lifeline import die_with_parent
 
     die_with_parent(parent)  # never outlive a killed tokenize
     from mindloom_tokenizer import Tokenizer
 
-    _ENCODER = _Encoder(Tokenizer.load(tokenizer_path), np.dtype(dtype), eos_id)
+    _ENCODER = _Encoder(Tokenizer.load(tokenizer_path), np.dtype(dtype), eos_id, bos_id)
 
 
-def _encode_in_worker(texts: list[str], last: list[bool] | None) -> tuple[bytes, np.ndarray]:
-    return _ENCODER(texts, last)
+def _encode_in_worker(texts: list[str], last, first=None) -> tuple[bytes, np.ndarray]:
+    return _ENCODER(texts, last, first)
 
 
 # -- main side ---------------------------------------------------------------------------
@@ -248,6 +309,7 @@ def tokenize(
     *,
     workers: int = 1,
     append_eos: bool = True,
+    append_bos: bool = False,
     text_key: str = "text",
     txt_mode: str = "paragraph",
     chunk_chars: int = DEFAULT_CHUNK_CHARS,
@@ -255,11 +317,16 @@ def tokenize(
     force: bool = False,
     overwrite: bool = True,
     allow_empty: bool = False,
+    metadata_fields: list[str] | None = None,
+    id_key: str = "id",
 ) -> TokenizeStats:
     """Tokenize `inputs` into `output_prefix.bin/.idx` (see the module docstring).
 
-    A completion marker `output_prefix.done.json` records the inputs, tokenizer and
-    settings; a rerun with the same ones finds the files valid and skips the work
+    `append_bos` / `append_eos` put the tokenizer's BOS before / EOS after every
+    document; both are recorded in `output_prefix.dataset.json`. `metadata_fields`
+    writes `output_prefix.docmeta.jsonl` (each document's id under `id_key` and these
+    fields). A completion marker `output_prefix.done.json` records the inputs, tokenizer
+    and settings; a rerun with the same ones finds the files valid and skips the work
     unless `force`. With `overwrite=False` (the CLI's default), existing `.bin`/`.idx`
     files that the marker does not vouch for are refused instead of replaced. Zero
     documents is an error (nothing is written) unless `allow_empty`.
@@ -272,15 +339,25 @@ def tokenize(
     dtype = np.dtype(optimal_dtype(tok.vocab_size))
     if append_eos and tok.eos_id < 0:
         raise ValueError(f"tokenizer {tokenizer_path} has no EOS id; use --no-eos")
+    if append_bos and tok.bos_id < 0:
+        raise ValueError(f"tokenizer {tokenizer_path} has no BOS id; drop --bos / append_bos")
     settings = {"append_eos": append_eos, "text_key": text_key, "txt_mode": txt_mode}
     settings["chunk_chars"] = chunk_chars
+    # only when set, so markers written before these options still match
+    if append_bos:
+        settings["append_bos"] = True
+    if metadata_fields is not None:
+        settings["metadata_fields"] = list(metadata_fields)
+        settings["id_key"] = id_key
     marker = output_prefix + ".done.json"
     fingerprint = _fingerprint(inputs, tokenizer_path, settings)
     if not force and os.path.exists(marker):
         try:
             with open(marker, encoding="utf-8") as f:
                 done = json.load(f)
-            if done.get("fingerprint") == fingerprint:
+            if done.get("fingerprint") == fingerprint and os.path.exists(
+                output_prefix + DATASET_METADATA_SUFFIX
+            ):
                 IndexedDataset(output_prefix, vocab_size=tok.vocab_size)
                 stats = TokenizeStats(dtype=str(dtype), skipped=True)
                 stats.documents = int(done.get("stats", {}).get("documents", 0))
@@ -300,8 +377,14 @@ def tokenize(
     stats = TokenizeStats(dtype=str(dtype))
     drop_space = chunking_mode(tok)
     eos_id = tok.eos_id if append_eos else None
+    bos_id = tok.bos_id if append_bos else None
     t0 = time.perf_counter()
-    texts = _texts(inputs, text_key, stats.read, txt_mode)
+    docmeta = (
+        None
+        if metadata_fields is None
+        else _DocMetadata(output_prefix, list(metadata_fields), id_key)
+    )
+    texts = _texts(inputs, text_key, stats.read, txt_mode, docmeta)
     tasks = _tasks(texts, stats, chunk_chars, drop_space, task_bytes)
     builder = IndexedDatasetBuilder(output_prefix, dtype=dtype)
     pending = 0  # tokens of the document being written in chunks
@@ -312,6 +395,9 @@ def tokenize(
         if flags is None:  # whole documents only, so none is pending either
             kept = lengths[lengths > 0]  # nothing to train on: dropped, but counted
             stats.empty_documents += len(lengths) - len(kept)
+            if docmeta is not None:
+                for n in lengths.tolist():
+                    docmeta.done(n > 0)
             builder.add_document_lengths(kept)
             stats.documents += len(kept)
             stats.tokens += int(kept.sum())
@@ -319,6 +405,8 @@ def tokenize(
         for n, (first, last) in zip(lengths.tolist(), flags):
             pending = n if first else pending + n
             if last:
+                if docmeta is not None:
+                    docmeta.done(pending > 0)
                 if pending == 0:
                     stats.empty_documents += 1
                     continue
@@ -330,19 +418,20 @@ def tokenize(
         # a numpy gather that holds the GIL for most of its time: processes (fork is safe,
         # nothing here has started a thread)
         ctx = mp.get_context("fork")
-        initargs = (tokenizer_path, dtype.str, eos_id, os.getpid())
+        initargs = (tokenizer_path, dtype.str, eos_id, bos_id, os.getpid())
         pool = ProcessPoolExecutor(workers, ctx, initializer=_init_worker, initargs=initargs)
         encode = _encode_in_worker
     else:
         pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
-        encode = _Encoder(tok, dtype, eos_id)
+        encode = _Encoder(tok, dtype, eos_id, bos_id)
     try:
         # at most 2 * workers tasks in flight: bounded memory, and every worker has the
         # next task queued while the main thread reads and writes
         window: deque = deque()
         for batch, flags in tasks:
             last = None if flags is None else [is_last for _, is_last in flags]
-            window.append((pool.submit(encode, batch, last), flags))
+            first = None if flags is None else [is_first for is_first, _ in flags]
+            window.append((pool.submit(encode, batch, last, first), flags))
             if len(window) >= 2 * workers:
                 fut, fl = window.popleft()
                 write(*fut.result(), fl)
@@ -357,9 +446,13 @@ def tokenize(
                 + f"; nothing written to {output_prefix}.bin/.idx"
             )
         builder.finalize()
+        if docmeta is not None:
+            docmeta.writer.close()
     except BaseException as exc:
         pool.shutdown(wait=True, cancel_futures=True)
         builder.abort()
+        if docmeta is not None:
+            docmeta.writer.abort()
         if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
             from mindloom_data._writers import named_oserror
 
@@ -367,6 +460,11 @@ def tokenize(
         raise
     pool.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
+    write_dataset_metadata(
+        output_prefix,
+        dataset_metadata(tok, tokenizer_path, append_bos, append_eos, stats.documents,
+                         stats.tokens, metadata_fields, id_key),
+    )  # fmt: skip
     tmp = marker + ".partial"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump({"fingerprint": fingerprint, "stats": stats.to_dict()}, f, indent=1)
@@ -374,3 +472,43 @@ def tokenize(
         os.fsync(f.fileno())
     os.replace(tmp, marker)
     return stats
+
+
+def dataset_metadata(tok, tokenizer_path: str, append_bos: bool, append_eos: bool,
+                     documents: int, tokens: int, metadata_fields=None, id_key: str = "id") -> dict:  # fmt: skip
+    """What `PREFIX.dataset.json` holds (see the module docstring)."""
+    return {
+        "format": DATASET_METADATA_FORMAT,
+        "append_bos": bool(append_bos),
+        "append_eos": bool(append_eos),
+        "bos_id": tok.bos_id if tok.bos_id >= 0 else None,
+        "eos_id": tok.eos_id if tok.eos_id >= 0 else None,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": os.path.abspath(tokenizer_path),
+        "documents": documents,
+        "tokens": tokens,
+        "docmeta": None
+        if metadata_fields is None
+        else {"suffix": DOC_METADATA_SUFFIX, "id_key": id_key,
+              "fields": ["id", *(f for f in metadata_fields if f != "id")]},
+    }  # fmt: skip
+
+
+def write_dataset_metadata(prefix: str | os.PathLike, meta: dict) -> None:
+    atomic_write_json(os.fspath(prefix) + DATASET_METADATA_SUFFIX, meta)
+
+
+def read_dataset_metadata(prefix: str | os.PathLike) -> dict | None:
+    """`PREFIX.dataset.json` as a dict; None for a dataset written without one (by
+    Megatron-LM's tools or an older mindloom-data). ValueError (one line) if unreadable."""
+    path = os.fspath(prefix) + DATASET_METADATA_SUFFIX
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable dataset metadata: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("append_bos"), bool):
+        raise ValueError(f"{path}: dataset metadata without a boolean append_bos")
+    return meta

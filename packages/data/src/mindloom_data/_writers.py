@@ -16,9 +16,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+# `metadata`: the record's other fields as one JSON object in text (records differ in
+# their fields and types, which one Arrow struct type per shard could not hold).
 SCHEMA = pa.schema(
-    [("text", pa.string()), ("id", pa.string()), ("source", pa.string()), ("line", pa.int64())]
-)
+    [("text", pa.string()), ("id", pa.string()), ("source", pa.string()), ("line", pa.int64()),
+     ("metadata", pa.string())]
+)  # fmt: skip
+
+
+def metadata_json(metadata: dict | None) -> str:
+    """A document's metadata as the `metadata` column holds it (key order kept)."""
+    # default=str: Parquet inputs can hold timestamps, decimals, bytes
+    return json.dumps(metadata or {}, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def _tmp(path: Path) -> Path:
@@ -144,7 +153,7 @@ def load_array(path: str | Path, cols: int | None = None, dtype=np.uint64, mmap:
 
 
 class ParquetShardWriter:
-    """Cleaned documents (text, id, source, line) to one Parquet file, in row groups."""
+    """Cleaned documents (text, id, source, line, metadata) to one Parquet file, in row groups."""
 
     def __init__(
         self,
@@ -212,7 +221,7 @@ class JsonlWriter:
 
     def write(self, obj: dict) -> None:
         with _writing(self.path, self.tmp):
-            self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self._f.write(json.dumps(obj, ensure_ascii=False, default=str) + "\n")
         self.rows += 1
 
     def close(self) -> None:

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job end to end on the bundled corpus")
     p.add_argument("--quick", action="store_true", help="a few seconds of training (tests)")
-    p.add_argument("--minutes", type=float, default=3.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time limit (safety)")
     p.add_argument("--run-dir", default="runs/demo")
     return parser
 

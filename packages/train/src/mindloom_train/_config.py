@@ -59,6 +59,7 @@ class DatasetConfig:
     text_key: str = "text"
     txt_mode: Literal["paragraph", "line", "file"] = "paragraph"  # documents in .txt input
     append_eos: bool = True
+    append_bos: bool = False  # recorded in PREFIX.dataset.json; generate follows it
     # Keep only this fraction range of the input: by characters of the concatenated text
     # (nanoGPT's 90/10 split of one long text) or by documents.
     char_range: list[float] = field(default_factory=lambda: [0.0, 1.0])

@@ -104,6 +104,7 @@ def prepare_dataset(cfg: Config, ds: DatasetConfig, name: str, tok_path: Path, l
         tok_path,
         prefix,
         append_eos=ds.append_eos,
+        append_bos=ds.append_bos,
         text_key="text" if src.endswith(".jsonl") and ds.doc_range != [0.0, 1.0] else ds.text_key,
         txt_mode=txt_mode,
     )
@@ -155,3 +156,68 @@ def build_loader(dataset, cfg: Config, *, dp_rank: int, dp_size: int, consumed: 
         consumed_samples=consumed,
         total_samples=total,
     )
+
+
+def _contract_of(prefix: str) -> dict | None:
+    from mindloom_data import read_dataset_metadata
+
+    try:
+        meta = read_dataset_metadata(prefix)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if meta is None:
+        return None
+    return {k: meta.get(k) for k in ("append_bos", "append_eos", "bos_id", "eos_id")}
+
+
+def data_contract(train_prefixes: list[str], eval_prefixes: list[str] | None, tok) -> dict:
+    """The BOS/EOS contract of the training data, from each prefix's PREFIX.dataset.json.
+
+    The run records it (common.json, the start event) and `mindloom generate` builds its
+    prompts by it. Training prefixes that disagree, held-out data tokenized otherwise, or
+    a dataset whose BOS/EOS ids are not the tokenizer's stop the run with one line.
+    Datasets without metadata (Megatron-LM's own tools) leave it unknown (null).
+    """
+    found = [(p, _contract_of(p)) for p in train_prefixes]
+    known = [(p, c) for p, c in found if c is not None]
+    contract = {"append_bos": None, "append_eos": None, "bos_id": None, "eos_id": None}
+    contract["source"] = "unknown: no PREFIX.dataset.json"
+    if known:
+        first_p, first = known[0]
+        for p, c in known[1:]:
+            if c["append_bos"] != first["append_bos"] or c["append_eos"] != first["append_eos"]:
+                raise ConfigError(
+                    f"config key train_dataset.data_prefix: {p} has append_bos="
+                    f"{c['append_bos']} append_eos={c['append_eos']}, {first_p} has "
+                    f"append_bos={first['append_bos']} append_eos={first['append_eos']}"
+                )
+        contract.update(first, source=f"{first_p}.dataset.json")
+        for key, tid in (("bos_id", tok.bos_id), ("eos_id", tok.eos_id)):
+            flag = "append_bos" if key == "bos_id" else "append_eos"
+            if first[flag] and first[key] != tid:
+                raise ConfigError(
+                    f"config key tokenizer.path: {first_p} was tokenized with {key} "
+                    f"{first[key]}, the run's tokenizer has {tid}"
+                )
+    for p in eval_prefixes or []:
+        c = _contract_of(p)
+        if c is not None and known and c["append_bos"] != contract["append_bos"]:
+            raise ConfigError(
+                f"config key eval_dataset.append_bos: the held-out data {p} has "
+                f"append_bos={c['append_bos']}, the training data append_bos="
+                f"{contract['append_bos']}; evaluate on data made like the training data"
+            )
+    return contract
+
+
+def describe_contract(contract: dict) -> str:
+    """`documents start with BOS (id 1) and end with EOS (id 2)`, for logs and generate."""
+    if contract.get("append_bos") is None:
+        return "BOS/EOS of the training data unknown (no dataset metadata)"
+    bos = (
+        f"start with BOS (id {contract['bos_id']})"
+        if contract["append_bos"]
+        else "start without BOS"
+    )
+    eos = f"end with EOS (id {contract['eos_id']})" if contract["append_eos"] else "end without EOS"
+    return f"documents {bos} and {eos}"

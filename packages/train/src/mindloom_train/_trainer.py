@@ -307,6 +307,7 @@ class Trainer:
             "model_config": dataclasses.asdict(self.mcfg),
             "model_shape": model_shape(self.mcfg),
             "tokenizer": str(self.tok_path.resolve()) if self.tok_path else None,
+            "data_contract": getattr(self, "data_contract", None),
             "versions": versions(),
             "time": time.time(),
         }
@@ -346,6 +347,9 @@ class Trainer:
             }
         metadata["layout"] = self._layout()
         common = self._common()
+        # the held-out loss of exactly these weights, when evaluated at this step (--checkpoint best)
+        ev = getattr(self, "last_eval_at", None)
+        common["eval"] = {"step": step, "loss": ev[1]} if ev and ev[0] == step else None
         kwargs = dict(
             metadata=metadata,
             keep_last=self.cfg.checkpoint.keep_last,
@@ -561,6 +565,7 @@ class Trainer:
         loss = float(np.mean(losses)) if losses else float("nan")
         ppl = math.exp(loss) if loss < 700 else float("inf")
         self.last_eval = (loss, ppl)
+        self.last_eval_at = (step, loss)
         self.log(f"eval: step {step} held-out loss {loss:.4f} ppl {ppl:.2f}")
         self.metrics.event("eval", step=step, loss=loss, ppl=ppl)
         return loss
@@ -651,6 +656,9 @@ class Trainer:
             if cfg.eval_dataset is not None
             else None
         )
+        self.data_contract = _data.data_contract(train_prefixes, eval_prefixes, tok)
+        same = "; the held-out data's match" if eval_prefixes else ""
+        self.log(f"data: {_data.describe_contract(self.data_contract)}{same}")
         self._build_model(tok.vocab_size)
         if cfg.precision.compute_dtype != "fp32" and cfg.context.device_target == "CPU":
             self.log(
@@ -704,6 +712,7 @@ class Trainer:
             peak_flops=peak,
             global_batch_size=gbs,
             seq_length=seq,
+            data_contract=self.data_contract,
         )
         if self.step >= total_iters:
             self.log(f"run: already at step {self.step} of {total_iters}; nothing to train")
