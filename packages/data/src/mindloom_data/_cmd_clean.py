@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
         "clean",
         help="normalize, filter and deduplicate (exact, MinHash, paragraph) a corpus",
         description=(
-            "Read JSON Lines (.jsonl/.jsonl.gz/.jsonl.zst), Parquet or .txt files, directories "
+            "Read JSON Lines (.jsonl/.jsonl.gz/.jsonl.zst), Parquet, .txt, WARC (.warc/.warc.gz) "
+            "or HTML (.html/.htm) files, directories "
             "or globs; write OUT/shard-NNNNN.parquet, OUT/removed/<step>/, OUT/report.json "
             "and OUT/summary.txt. Rerunning the same command resumes."
         ),
@@ -26,6 +27,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workers", "-j", type=int, default=1, help="processes (default 1)")
     add_executor_args(p, "ranks of the hash-partitioned dedup stages (default: config partitions)")
     p.add_argument("--text-key", default=None, help="JSON / Parquet field with the text")
+    p.add_argument(
+        "--html-key",
+        default=None,
+        help="JSON Lines field with a page's HTML: read it and extract the main text (web extra)",
+    )
     p.add_argument(
         "--max-bad-fraction",
         type=float,
@@ -47,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config)
         if args.jsonl:
             cfg["output"]["jsonl"] = True
+        if args.html_key is not None:
+            cfg["html_key"] = args.html_key
         if args.max_bad_fraction is not None:
             cfg["max_bad_fraction"] = args.max_bad_fraction
         report = clean(

@@ -53,6 +53,14 @@ from mindloom_data._minhash import MinHasher
 from mindloom_data._normalize import Normalizer
 from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
+from mindloom_data._web import (
+    WEB_DEFAULTS,
+    LanguageRouter,
+    WebSteps,
+    check_web_config,
+    metadata_fields,
+    metadata_value,
+)
 from mindloom_data._writers import (
     SCHEMA,
     JsonlWriter,
@@ -96,6 +104,7 @@ DEFAULTS: dict = {
         "paragraph": {"enabled": True, "min_chars": 30},
     },
     "output": {"jsonl": False, "removed": True, "keep_work": False},
+    **WEB_DEFAULTS,  # html_key, extract, repair, language, url_filter (see _web)
 }
 
 _BATCH = 512  # documents per MinHash batch in the scan stage
@@ -135,6 +144,7 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
             MinHasher(**{k: m[k] for k in _HASHER_KEYS})
+        check_web_config(cfg)
     except (ValueError, TypeError) as exc:
         raise CleanError(str(exc)) from None
     if not isinstance(cfg["partitions"], int) or cfg["partitions"] < 1:
@@ -232,12 +242,18 @@ def scan_rank(run: Run, task: int) -> dict:
     hasher = run.minhasher() if mcfg["enabled"] else None
 
     rstats = ReadStats()
-    steps = {"normalize": StepStats(), **{f.name: StepStats() for f in filters}}
+    web = WebSteps(cfg, path)
+    meta_cols = metadata_fields(cfg, run.files)
+    steps = {
+        **{n: StepStats() for n in web.names},
+        "normalize": StepStats(),
+        **{f.name: StepStats() for f in filters},
+    }
     removed = {name: _Removed(run, name, task) for name in steps}
     # An intermediate that is read once and deleted: not worth compressing.
     clean = ParquetShardWriter(
         work / "clean" / f"t{task:05d}.parquet",
-        schema=pa.schema([*SCHEMA, ("key", pa.uint64())]),
+        schema=pa.schema([*SCHEMA, ("key", pa.uint64()), *meta_cols]),
         compression=None,
     )
     exact_rows, para_rows, lines = [], [], []
@@ -285,6 +301,10 @@ def scan_rank(run: Run, task: int) -> dict:
     key_base = task << LINE_BITS
     exact_on, para_on, para_min = dcfg["exact"], pcfg["enabled"], pcfg["min_chars"]
     for doc in iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"]):
+        if web.active:
+            doc = web.process(doc, steps, removed)
+            if doc is None:
+                continue
         text = doc.text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
         nst.docs_in += 1
@@ -316,7 +336,7 @@ def scan_rank(run: Run, task: int) -> dict:
         if reason is not None:
             continue
         key = key_base | doc.line
-        clean.append(text, doc.id, doc.source, doc.line, key)
+        clean.append(text, doc.id, doc.source, doc.line, key, *([metadata_value(doc)] * len(meta_cols)))
         lines.append(doc.line)
         if exact_on:
             exact_rows.append((_hash64(text.encode("utf-8")), key))
@@ -400,8 +420,13 @@ def write_rank(run: Run, task: int) -> dict:
         "paragraph_dedup": dcfg["paragraph"]["enabled"],
     }
     shard = run.out() / f"shard-{task:05d}.parquet"
-    writer = ParquetShardWriter(shard)
-    jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
+    meta_cols = metadata_fields(cfg, run.files)
+    out_schema = pa.schema([*SCHEMA, *meta_cols])
+    if cfg["language"]["split_output"]:
+        writer, jsonl = LanguageRouter(run.out(), task, out_schema, cfg["output"]["jsonl"]), None
+    else:
+        writer = ParquetShardWriter(shard, schema=out_schema)
+        jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
     kept_docs = kept_bytes = 0
     active = [n for n in names if enabled[n]]
     # Most documents are untouched by dedup: they go through as Arrow columns, and only
@@ -467,8 +492,8 @@ def write_rank(run: Run, task: int) -> dict:
                 text_col, pa.array(mask), pa.array([new_text[i] for i in sorted(new_text)])
             )
         out = pa.table(
-            [text_col, batch.column("id"), batch.column("source"), batch.column("line")],
-            names=["text", "id", "source", "line"],
+            [text_col, *(batch.column(n) for n in out_schema.names[1:])],
+            names=out_schema.names,
         ).filter(pa.array(keep))
         kept_docs += out.num_rows
         writer.write_table(out)
@@ -597,8 +622,11 @@ def clean(
         cfg["partitions"] = tasks
     try:
         files = resolve_inputs(inputs)
+        check_web_config(cfg, files)
     except ValueError as exc:
         raise CleanError(str(exc)) from None
+    if cfg["html_key"] is not None:
+        cfg["text_key"] = cfg["html_key"]
     out = Path(output)
     _check_output(out)
     work = out / ".work"

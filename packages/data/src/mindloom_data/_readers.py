@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
+SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt", ".warc.gz", ".warc", ".html", ".htm")
 TXT_MODES = ("paragraph", "file", "line")
 MAX_EXAMPLES = 5
 
@@ -48,6 +48,9 @@ CATEGORIES = (
     "whitespace_only_file",
     "truncated_file",
     "unreadable_file",
+    "truncated_record",  # WARC (see _web)
+    "corrupt_record",
+    "non_html_record",  # not bad: a WARC response that is no HTML page
 )
 
 
@@ -61,6 +64,7 @@ class Document:
     id: str
     source: str
     line: int
+    meta: dict | None = None  # e.g. a web page's URL, date and language
 
 
 @dataclass
@@ -83,7 +87,8 @@ class ReadStats:
     @property
     def bad_records(self) -> int:
         files = ("empty_file", "whitespace_only_file", "truncated_file", "unreadable_file")
-        return sum(v for k, v in self.counts.items() if k not in files and k != "blank_line")
+        skip = ("blank_line", "non_html_record")
+        return sum(v for k, v in self.counts.items() if k not in files and k not in skip)
 
     def merge(self, other: ReadStats) -> None:
         self.files += other.files
@@ -184,6 +189,11 @@ def iter_file(
     stats = ReadStats() if stats is None else stats
     if txt_mode not in TXT_MODES:
         raise ValueError(f"txt_mode must be one of {TXT_MODES}, got {txt_mode!r}")
+    if path.endswith((".warc.gz", ".warc", ".html", ".htm")):
+        from mindloom_data._web import iter_web_file
+
+        yield from iter_web_file(path, stats)
+        return
     if not _count_file(path, stats):
         return
     if path.endswith(".parquet"):
