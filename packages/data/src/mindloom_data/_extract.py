@@ -24,7 +24,9 @@ _BLANKS = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")
 class Extractor:
     def __init__(self, method: str = "resiliparse", include_tables: bool = False):
         if method not in EXTRACTORS:
-            raise ValueError(f"extract.method must be one of {', '.join(EXTRACTORS)}, got {method!r}")
+            raise ValueError(
+                f"extract.method must be one of {', '.join(EXTRACTORS)}, got {method!r}"
+            )
         self.method = method
         self.include_tables = include_tables
         if method == "resiliparse":

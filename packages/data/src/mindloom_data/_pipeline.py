@@ -336,7 +336,9 @@ def scan_rank(run: Run, task: int) -> dict:
         if reason is not None:
             continue
         key = key_base | doc.line
-        clean.append(text, doc.id, doc.source, doc.line, key, *([metadata_value(doc)] * len(meta_cols)))
+        clean.append(
+            text, doc.id, doc.source, doc.line, key, *([metadata_value(doc)] * len(meta_cols))
+        )
         lines.append(doc.line)
         if exact_on:
             exact_rows.append((_hash64(text.encode("utf-8")), key))

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt", ".warc.gz", ".warc", ".html", ".htm")
+SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
+SUFFIXES += (".warc.gz", ".warc", ".html", ".htm")  # read by _web
 TXT_MODES = ("paragraph", "file", "line")
 MAX_EXAMPLES = 5
 

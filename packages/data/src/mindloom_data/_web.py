@@ -34,6 +34,7 @@ stays the same for any number of workers and executors.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import mmap
 import os
@@ -46,7 +47,6 @@ import pyarrow as pa
 
 from mindloom_data._normalize import MissingExtraError
 from mindloom_data._readers import Document, ReadStats, _count_file, _note
-from mindloom_data._report import StepStats
 
 __all__ = ["WEB_DEFAULTS", "WEB_SUFFIXES", "WebSteps", "check_web_config", "iter_web_file"]
 
@@ -316,7 +316,21 @@ class WebSteps:
             self.extract = Extractor(ex["method"], include_tables=ex["include_tables"])
         self.fix = None
         if _enabled(cfg["repair"]["enabled"], html):
-            self.fix = _require("ftfy").fix_text
+            ftfy = _require("ftfy")
+            # Encoding repairs only: ftfy's defaults also fold full-width punctuation
+            # (Chinese ，。：) to ASCII, uncurl quotes and NFC the text, which is not its job
+            # here (the normalize step decides about width and forms).
+            config = ftfy.TextFixerConfig(
+                unescape_html=False,
+                remove_terminal_escapes=False,
+                uncurl_quotes=False,
+                fix_latin_ligatures=False,
+                fix_character_width=False,
+                fix_line_breaks=False,
+                remove_control_chars=False,
+                normalization=None,
+            )
+            self.fix = functools.partial(ftfy.fix_text, config=config)
         self.lang = None
         lcfg = cfg["language"]
         if lcfg["enabled"]:
@@ -359,7 +373,9 @@ class WebSteps:
                 out = self.extract(text)
             except Exception as exc:  # a parser giving up on one page must not stop the run
                 out = ""
-                meta["extract_error"] = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                meta["extract_error"] = (
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                )
             if not out.strip():
                 st.drop("extract_empty", doc.id, text)
                 removed["extract"].add(doc.id, doc.source, doc.line, "extract_empty", text, **meta)
@@ -441,7 +457,9 @@ class LanguageRouter:
     def write_table(self, table: pa.Table) -> None:
         if not table.num_rows:
             return
-        langs = [json.loads(m).get("language", "unknown") for m in table.column("metadata").to_pylist()]
+        langs = [
+            json.loads(m).get("language", "unknown") for m in table.column("metadata").to_pylist()
+        ]
         for lang in sorted(set(langs)):
             mask = pa.array([x == lang for x in langs])
             part = table.filter(mask)
