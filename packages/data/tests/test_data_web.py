@@ -138,6 +138,21 @@ def test_extract_keeps_the_article_and_drops_the_boilerplate(method):
     assert "<p>" not in text and "<" not in text
 
 
+def test_extract_keeps_headings_and_lists_as_plain_text():
+    from mindloom_data._extract import Extractor
+
+    html = page("Rivers of the north", EN_BODY).replace(
+        "</article>",
+        "<h2>What changed</h2><p>Three things stand out in the records of the basin.</p>"
+        "<ul><li>The thaw starts earlier</li><li>Peak flow is higher</li>"
+        "<li>Dry summers are longer</li></ul></article>",
+    )
+    text = Extractor("trafilatura")(html)
+    blocks = text.split("\n\n")
+    assert blocks[0] == "Rivers of the north" and "What changed" in blocks
+    assert "- The thaw starts earlier\n- Peak flow is higher\n- Dry summers are longer" in blocks
+
+
 def _clean_warc(tmp_path, cfg, name="out", workers=1, **kw):
     recs, _ = _records()
     src = tmp_path / "in.warc.gz"

@@ -17,6 +17,7 @@ keep-list `[zh, en]` sees 1.0 (the scores of the kept languages add up), not "ot
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -31,6 +32,17 @@ _HANGUL_RE = re.compile(f"[{_HANGUL}]")
 _WORD = re.compile(r"[^\W\d_]{2,}")
 # Below this many letters the Latin part says too little to be worth lingua's time.
 _MIN_LATIN_LETTERS = 12
+
+
+@functools.lru_cache(maxsize=2)
+def _detector(accuracy: str):
+    # Loading takes seconds: once per process, not once per rank (a worker runs many).
+    from lingua import LanguageDetectorBuilder
+
+    builder = LanguageDetectorBuilder.from_all_languages()
+    if accuracy == "low":
+        builder = builder.with_low_accuracy_mode()
+    return builder.build()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +66,7 @@ class LanguageIdentifier:
     def __init__(self, accuracy: str = "low", max_chars: int = 2000):
         if accuracy not in ("low", "high"):
             raise ValueError(f"language.accuracy must be low or high, got {accuracy!r}")
-        from lingua import LanguageDetectorBuilder
-
-        builder = LanguageDetectorBuilder.from_all_languages()
-        if accuracy == "low":
-            builder = builder.with_low_accuracy_mode()
-        self._detector = builder.build()
+        self._detector = _detector(accuracy)
         self.max_chars = max_chars
 
     def identify(self, text: str) -> LanguageResult:
