@@ -235,7 +235,10 @@ def test_html_key_jsonl(tmp_path):
     src = tmp_path / "pages.jsonl"
     src.write_text("".join(json.dumps({"html": a[1], "url": a[0]}) + "\n" for a in ARTICLES[:2]))
     src2 = tmp_path / "empty.jsonl"
-    src2.write_text(json.dumps({"html": "<html><body><nav>Home</nav></body></html>"}) + "\n")
+    src2.write_text(
+        json.dumps({"html": "<html><body><script>var a=1;</script><img src=a.png></body></html>"})
+        + "\n"
+    )
     report = clean([src, src2], tmp_path / "out", config={"html_key": "html"}, progress=False)
     rows = pq.read_table(tmp_path / "out" / "shard-00000.parquet").to_pylist()
     assert [r["id"] for r in rows] == [f"{src}:1", f"{src}:2"]
