@@ -18,7 +18,8 @@ def add_parser(subparsers) -> None:
         "clean",
         help="normalize, filter and deduplicate (exact, MinHash, paragraph) a corpus",
         description=(
-            "Read JSON Lines (.jsonl/.jsonl.gz/.jsonl.zst), Parquet or .txt files, directories "
+            "Read JSON Lines (.jsonl/.jsonl.gz/.jsonl.zst), Parquet, .txt, WARC (.warc/.warc.gz) "
+            "or HTML (.html/.htm) files, directories "
             "or globs; write OUT/shard-NNNNN.parquet, OUT/removed/<step>/, OUT/report.json "
             "and OUT/summary.txt. Rerunning the same command resumes."
         ),
@@ -31,6 +32,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--text-key", default=None, help="JSON / Parquet field with the text")
     p.add_argument(
         "--id-key", default=None, help="JSON / Parquet field with the record's id (default id)"
+    )
+    p.add_argument(
+        "--html-key",
+        default=None,
+        help="JSON Lines field with a page's HTML: read it and extract the main text (web extra)",
     )
     p.add_argument(
         "--max-bad-fraction",
@@ -59,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
             cfg["id_key"] = args.id_key
         if args.jsonl:
             cfg["output"]["jsonl"] = True
+        if args.html_key is not None:
+            cfg["html_key"] = args.html_key
         if args.max_bad_fraction is not None:
             cfg["max_bad_fraction"] = args.max_bad_fraction
         report = clean(

@@ -55,6 +55,14 @@ from mindloom_data._normalize import Normalizer
 from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
 from mindloom_data._safe_yaml import check_finite, load_yaml, shown
+from mindloom_data._web import (
+    WEB_DEFAULTS,
+    LanguageRouter,
+    WebSteps,
+    check_web_config,
+    metadata_fields,
+    metadata_value,
+)
 from mindloom_data._writers import (
     SCHEMA,
     JsonlWriter,
@@ -100,6 +108,7 @@ DEFAULTS: dict = {
         "paragraph": {"enabled": True, "min_chars": 30},
     },
     "output": {"jsonl": False, "removed": True, "keep_work": False},
+    **WEB_DEFAULTS,  # html_key, extract, repair, language, url_filter (see _web)
 }
 
 _BATCH = 512  # documents per MinHash batch in the scan stage
@@ -132,6 +141,7 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
             MinHasher(**{k: m[k] for k in _HASHER_KEYS})
+        check_web_config(cfg)
     except (ValueError, TypeError) as exc:
         raise CleanError(shown(str(exc), 300)) from None
     if not isinstance(cfg["partitions"], int) or cfg["partitions"] < 1:
@@ -259,12 +269,18 @@ def scan_rank(run: Run, task: int) -> dict:
     hasher = run.minhasher() if mcfg["enabled"] else None
 
     rstats = ReadStats()
-    steps = {"normalize": StepStats(), **{f.name: StepStats() for f in filters}}
+    web = WebSteps(cfg, path)
+    meta_cols = metadata_fields(cfg, run.files)
+    steps = {
+        **{n: StepStats() for n in web.names},
+        "normalize": StepStats(),
+        **{f.name: StepStats() for f in filters},
+    }
     removed = {name: _Removed(run, name, task) for name in steps}
     # An intermediate that is read once and deleted: not worth compressing.
     clean = ParquetShardWriter(
         work / "clean" / f"t{task:05d}.parquet",
-        schema=pa.schema([*SCHEMA, ("key", pa.uint64())]),
+        schema=pa.schema([*SCHEMA, ("key", pa.uint64()), *meta_cols]),
         compression=None,
     )
     exact_rows, para_rows, lines = [], [], []
@@ -314,6 +330,10 @@ def scan_rank(run: Run, task: int) -> dict:
     docs = iter_file(path, text_key=cfg["text_key"], stats=rstats, txt_mode=cfg["txt_mode"],
                      id_key=cfg["id_key"])  # fmt: skip
     for doc in docs:
+        if web.active:
+            doc = web.process(doc, steps, removed)
+            if doc is None:
+                continue
         text = doc.text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8"))
         nst.docs_in += 1
@@ -429,8 +449,13 @@ def write_rank(run: Run, task: int) -> dict:
         "paragraph_dedup": dcfg["paragraph"]["enabled"],
     }
     shard = run.out() / f"shard-{task:05d}.parquet"
-    writer = ParquetShardWriter(shard)
-    jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
+    meta_cols = metadata_fields(cfg, run.files)
+    out_schema = pa.schema([*SCHEMA, *meta_cols])
+    if cfg["language"]["split_output"]:
+        writer, jsonl = LanguageRouter(run.out(), task, out_schema, cfg["output"]["jsonl"]), None
+    else:
+        writer = ParquetShardWriter(shard, schema=out_schema)
+        jsonl = JsonlWriter(shard.with_suffix(".jsonl")) if cfg["output"]["jsonl"] else None
     kept_docs = kept_bytes = 0
     active = [n for n in names if enabled[n]]
     # Most documents are untouched by dedup: they go through as Arrow columns, and only
@@ -499,7 +524,8 @@ def write_rank(run: Run, task: int) -> dict:
                 text_col, pa.array(mask), pa.array([new_text[i] for i in sorted(new_text)])
             )
         out = pa.table(
-            [text_col, *(batch.column(c) for c in SCHEMA.names[1:])], names=SCHEMA.names
+            [text_col, *(batch.column(n) for n in out_schema.names[1:])],
+            names=out_schema.names,
         ).filter(pa.array(keep))
         kept_docs += out.num_rows
         writer.write_table(out)
@@ -630,8 +656,11 @@ def clean(
     found = ReadStats()  # files of no known format: not read, but counted and listed
     try:
         files = resolve_inputs(inputs, found)
+        check_web_config(cfg, files)
     except ValueError as exc:
         raise CleanError(str(exc)) from None
+    if cfg["html_key"] is not None:
+        cfg["text_key"] = cfg["html_key"]
     out = Path(output)
     _check_output(out)
     work = out / ".work"

@@ -43,6 +43,7 @@ from mindloom_tokenizer.inputs import (
 )
 
 SUFFIXES = (".jsonl.gz", ".jsonl.zst", ".jsonl", ".parquet", ".txt")
+SUFFIXES += (".warc.gz", ".warc", ".html", ".htm")  # read by _web
 TXT_MODES = ("paragraph", "file", "line")
 MAX_EXAMPLES = 5
 
@@ -63,6 +64,9 @@ CATEGORIES = (
     "not_compressed",
     "unreadable_file",
     "unsupported_file",
+    "truncated_record",  # WARC (see _web)
+    "corrupt_record",
+    "non_html_record",  # not bad: a WARC response that is no HTML page
 )
 # Categories that describe a whole file, not a record (not part of the bad fraction).
 FILE_CATEGORIES = frozenset(
@@ -106,8 +110,11 @@ class ReadStats:
 
     @property
     def bad_records(self) -> int:
+        # a WARC response that is no HTML page is not bad input
         return sum(
-            v for k, v in self.counts.items() if k not in FILE_CATEGORIES and k != "blank_line"
+            v
+            for k, v in self.counts.items()
+            if k not in FILE_CATEGORIES and k not in ("blank_line", "non_html_record")
         )
 
     def merge(self, other: ReadStats) -> None:
@@ -211,6 +218,11 @@ def iter_file(
     stats = ReadStats() if stats is None else stats
     if txt_mode not in TXT_MODES:
         raise ValueError(f"txt_mode must be one of {TXT_MODES}, got {txt_mode!r}")
+    if path.endswith((".warc.gz", ".warc", ".html", ".htm")):
+        from mindloom_data._web import iter_web_file
+
+        yield from iter_web_file(path, stats)
+        return
     if not _count_file(path, stats):
         return
     if path.endswith(".parquet"):

@@ -1,0 +1,99 @@
+"""Language identification with lingua's models (shipped inside the `lingua-language-detector`
+wheel: nothing is downloaded at run time).
+
+lingua compares n-gram models of every language it knows; on a text that mixes scripts
+(Chinese prose with English commands, identifiers and paths in it) it spreads its
+confidence over several Latin-script languages and can rank German above English. So a
+document is split by script first:
+
+- CJK characters (Han, kana, Hangul) are counted directly: kana makes it Japanese, Hangul
+  Korean, otherwise Chinese; a CJK character is one unit;
+- the rest goes to lingua, each word of it one unit.
+
+Each part's language gets the part's share of the units times its confidence, so a
+Chinese technical page with 40% English words scores about zh 0.6 and en 0.4, and a
+keep-list `[zh, en]` sees 1.0 (the scores of the kept languages add up), not "other".
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+__all__ = ["LanguageIdentifier", "LanguageResult"]
+
+_HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
+_KANA = r"\u3040-\u30ff\u31f0-\u31ff"
+_HANGUL = r"\uac00-\ud7af\u1100-\u11ff\u3130-\u318f"
+_CJK = re.compile(f"[{_HAN}{_KANA}{_HANGUL}]")
+_KANA_RE = re.compile(f"[{_KANA}]")
+_HANGUL_RE = re.compile(f"[{_HANGUL}]")
+_WORD = re.compile(r"[^\W\d_]{2,}")
+# Below this many letters the Latin part says too little to be worth lingua's time.
+_MIN_LATIN_LETTERS = 12
+
+
+@functools.lru_cache(maxsize=2)
+def _detector(accuracy: str):
+    # Loading takes seconds: once per process, not once per rank (a worker runs many).
+    from lingua import LanguageDetectorBuilder
+
+    builder = LanguageDetectorBuilder.from_all_languages()
+    if accuracy == "low":
+        builder = builder.with_low_accuracy_mode()
+    return builder.build()
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageResult:
+    language: str  # ISO 639-1 code, or "unknown"
+    score: float  # the language's share-weighted confidence, 0..1
+    scores: dict  # every language with a score >= 0.01, rounded to 3 places
+
+    def kept_score(self, languages) -> float:
+        return sum(self.scores.get(lang, 0.0) for lang in languages)
+
+
+class LanguageIdentifier:
+    """`identify(text)` on the first `max_chars` characters (web pages say who they are early).
+
+    `accuracy="low"` uses lingua's trigram models for all its languages (about 2 s and
+    80 MB to load, plenty for documents of a few sentences or more); `"high"` adds the
+    longer n-grams (slower to load, much more memory, better on single short sentences).
+    """
+
+    def __init__(self, accuracy: str = "low", max_chars: int = 2000):
+        if accuracy not in ("low", "high"):
+            raise ValueError(f"language.accuracy must be low or high, got {accuracy!r}")
+        self._detector = _detector(accuracy)
+        self.max_chars = max_chars
+
+    def identify(self, text: str) -> LanguageResult:
+        sample = text[: self.max_chars]
+        cjk = _CJK.findall(sample)
+        latin = _CJK.sub(" ", sample) if cjk else sample
+        words = _WORD.findall(latin)
+        letters = sum(len(w) for w in words)
+        n_cjk, n_words = len(cjk), len(words) if letters >= _MIN_LATIN_LETTERS else 0
+        total = n_cjk + n_words
+        if total == 0:
+            return LanguageResult("unknown", 0.0, {})
+        scores: dict[str, float] = {}
+        if n_cjk:
+            joined = "".join(cjk)
+            kana = len(_KANA_RE.findall(joined))
+            hangul = len(_HANGUL_RE.findall(joined))
+            lang = "ko" if hangul > n_cjk / 2 else "ja" if kana >= max(1, n_cjk // 20) else "zh"
+            scores[lang] = n_cjk / total
+        if n_words:
+            share = n_words / total
+            for cv in self._detector.compute_language_confidence_values(" ".join(words))[:3]:
+                code = cv.language.iso_code_639_1.name.lower()
+                scores[code] = scores.get(code, 0.0) + share * cv.value
+        scores = {k: round(v, 3) for k, v in scores.items() if v >= 0.01}
+        if not scores:
+            return LanguageResult("unknown", 0.0, {})
+        # ties (rare) go to the alphabetically first code, so the result never depends on order
+        best = min(scores, key=lambda k: (-scores[k], k))
+        return LanguageResult(best, scores[best], dict(sorted(scores.items())))

@@ -1,0 +1,482 @@
+"""The web front end of `clean`: WARC and HTML input, and the steps that turn pages into text.
+
+Readers (chosen by file name, like every other input):
+
+- `.warc`, `.warc.gz`: FastWARC; one document per `response` record with an HTML payload
+  (`text/html`, `application/xhtml+xml`) and a 2xx status. `line` is the record's byte
+  offset in the file (in the compressed file for `.warc.gz`, where each record is its own
+  gzip member), so `id` = `file:offset` points straight at the record. The URL, the WARC
+  date and the record id go into the document's metadata. A record whose payload is
+  shorter than its Content-Length is counted as `truncated_record`; bytes FastWARC cannot
+  parse are counted as `corrupt_record` (at the offset where reading resumed after the
+  last good record) and reading resumes at the next record start; other HTTP responses
+  are counted as `non_html_record`. None of these stop the run.
+- `.html`, `.htm`: the whole file is one document (`line` 1).
+- JSON Lines with HTML in a field: `html_key: FIELD` (or `--html-key FIELD`) reads that
+  field as the document and turns extraction on.
+
+Steps, in order, before normalization and the filters (each is a step of the report with
+its counts and examples, and writes what it removes under `removed/<step>/`):
+
+1. `url_filter`: documents whose URL matches a block list (file of domains and URL
+   patterns) are removed as `blocked_domain` / `blocked_pattern`.
+2. `extract`: HTML -> main text (`_extract`); nothing left -> `extract_empty`.
+3. `repair`: ftfy fixes mojibake (`repaired` counts documents it changed), so the
+   garbled-text filter later sees the fixed text and keeps it.
+4. `language`: lingua (`_langid`); `language` and `language_score` go into the metadata;
+   with a keep-list, documents whose kept languages score below the threshold are removed
+   as `language_<code>`.
+
+Everything here depends only on the document, never on the rank or worker, so the output
+stays the same for any number of workers and executors.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import mmap
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+
+from mindloom_data._normalize import MissingExtraError
+from mindloom_data._readers import Document, ReadStats, _count_file, _note
+
+__all__ = ["WEB_DEFAULTS", "WEB_SUFFIXES", "WebSteps", "check_web_config", "iter_web_file"]
+
+WEB_SUFFIXES = (".warc.gz", ".warc", ".html", ".htm")
+HTML_TYPES = ("text/html", "application/xhtml+xml")
+EXTRA = "web"
+
+WEB_DEFAULTS: dict = {
+    "html_key": None,
+    # "auto": on when the input is HTML (WARC, .html, or html_key), off otherwise
+    "extract": {"enabled": "auto", "method": "trafilatura", "include_tables": False},
+    "repair": {"enabled": "auto"},
+    "language": {
+        "enabled": False,
+        "languages": [],  # keep-list of ISO 639-1 codes; empty: label only
+        "threshold": 0.5,
+        "accuracy": "low",
+        "max_chars": 2000,
+        "split_output": False,  # OUT/<language>/shard-NNNNN.parquet
+    },
+    "url_filter": {"enabled": True, "block_list": None},
+}
+
+
+def _require(module: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise MissingExtraError(
+            f"{module} is missing: the web steps need the extra, pip install 'mindloom-data[{EXTRA}]'"
+        ) from None
+
+
+def is_web_input(path: str) -> bool:
+    return path.endswith(WEB_SUFFIXES)
+
+
+def _enabled(value, html: bool) -> bool:
+    return html if value == "auto" else bool(value)
+
+
+def check_web_config(cfg: dict, files: list[str] | None = None) -> None:
+    """Refuse a bad web config with one line (ValueError); check the extra is installed
+    when a web step will run. Makes the block list's path absolute (ranks may run elsewhere)."""
+    ex, rep, lang, uf = cfg["extract"], cfg["repair"], cfg["language"], cfg["url_filter"]
+    for name, value in (("extract", ex["enabled"]), ("repair", rep["enabled"])):
+        if value not in ("auto", True, False):
+            raise ValueError(f"{name}.enabled must be true, false or auto, got {value!r}")
+    from mindloom_data._extract import EXTRACTORS
+
+    if ex["method"] not in EXTRACTORS:
+        raise ValueError(
+            f"extract.method must be one of {', '.join(EXTRACTORS)}, got {ex['method']!r}"
+        )
+    if cfg["html_key"] is not None and not isinstance(cfg["html_key"], str):
+        raise ValueError("html_key must be a string")
+    langs = lang["languages"]
+    if not isinstance(langs, list) or not all(isinstance(x, str) and x for x in langs):
+        raise ValueError("language.languages must be a list of ISO 639-1 codes, e.g. [zh, en]")
+    if not isinstance(lang["threshold"], (int, float)) or not 0 <= lang["threshold"] <= 1:
+        raise ValueError("language.threshold must be a number from 0 to 1")
+    if lang["accuracy"] not in ("low", "high"):
+        raise ValueError(f"language.accuracy must be low or high, got {lang['accuracy']!r}")
+    if lang["split_output"] and not lang["enabled"]:
+        raise ValueError("language.split_output needs language.enabled: true")
+    if uf["block_list"] is not None:
+        path = os.path.abspath(os.fspath(uf["block_list"]))
+        if not os.path.isfile(path):
+            raise ValueError(f"url_filter.block_list: no such file {uf['block_list']}")
+        uf["block_list"] = path
+    if files is None:
+        return
+    html = cfg["html_key"] is not None or any(is_web_input(f) for f in files)
+    if any(is_web_input(f) for f in files):
+        _require("fastwarc")
+        _require("resiliparse")
+    if _enabled(ex["enabled"], html):
+        _require("resiliparse" if ex["method"] == "resiliparse" else "trafilatura")
+    if _enabled(rep["enabled"], html):
+        _require("ftfy")
+    if lang["enabled"]:
+        _require("lingua")
+
+
+# --- readers ------------------------------------------------------------------------
+
+
+def iter_web_file(path: str, stats: ReadStats) -> Iterator[Document]:
+    """The documents of one `.warc[.gz]` or `.html` file (see the module docstring)."""
+    if not _count_file(path, stats):
+        return
+    if path.endswith((".html", ".htm")):
+        yield from _iter_html_file(path, stats)
+    else:
+        yield from _iter_warc(path, stats)
+
+
+def decode_html(data: bytes, charset: str | None = None) -> str:
+    """Bytes of a page -> str: the declared charset if Python knows it, else detected."""
+    from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+
+    if charset:
+        try:
+            return data.decode(charset)
+        except (LookupError, UnicodeDecodeError):
+            pass
+    return bytes_to_str(data, detect_encoding(data))
+
+
+def _iter_html_file(path: str, stats: ReadStats) -> Iterator[Document]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        stats.bad("unreadable_file", path, None)
+        _note(stats, path, exc)
+        return
+    stats.bytes += len(data)
+    text = decode_html(data)
+    if not text.strip():
+        stats.bad("empty_text", path, 1)
+        return
+    stats.documents += 1
+    yield Document(text, f"{path}:1", path, 1)
+
+
+def _next_record_start(path: str, after: int, gz: bool) -> int | None:
+    """Offset of the next thing that looks like a record start strictly after `after`."""
+    marker = b"\x1f\x8b\x08" if gz else b"WARC/1."
+    with open(path, "rb") as f:
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # empty file
+            return None
+        with mm:
+            i = mm.find(marker, after + 1)
+    return None if i < 0 else i
+
+
+def _iter_warc(path: str, stats: ReadStats) -> Iterator[Document]:
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    gz = path.endswith(".gz")
+    stats.bytes += os.path.getsize(path)
+    start = 0
+    while True:
+        last = None
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                records = ArchiveIterator(
+                    f,
+                    record_types=WarcRecordType.response | WarcRecordType.resource,
+                    parse_http=True,
+                    fsspec_args=False,
+                )
+                for rec in records:
+                    pos = rec.stream_pos
+                    last = pos
+                    doc = _record_document(rec, path, pos, stats)
+                    if doc is not None:
+                        yield doc
+            return
+        except OSError as exc:
+            # FastWARC stops at bytes it cannot parse: count them once, then go on at the
+            # next record start after the last good record (or after where we started).
+            resume = _next_record_start(path, start if last is None else last, gz)
+            where = resume if resume is not None else os.path.getsize(path)
+            stats.bad("corrupt_record", path, where)
+            _note(stats, f"{path}:{where}", exc)
+            if resume is None or resume <= start:
+                return
+            start = resume
+
+
+def _record_document(rec, path: str, pos: int, stats: ReadStats) -> Document | None:
+    expected = rec.content_length
+    try:
+        body = rec.reader.read()
+    except OSError:
+        stats.bad("truncated_record", path, pos)
+        return None
+    if expected is not None and len(body) < expected:
+        stats.bad("truncated_record", path, pos)
+        return None
+    url = rec.headers.get("WARC-Target-URI")
+    if url is None:
+        stats.bad("corrupt_record", path, pos)
+        return None
+    if rec.is_http:
+        status = rec.http_headers.status_code if rec.http_headers is not None else None
+        ctype = (rec.http_content_type or "").lower()
+        charset = rec.http_charset
+        if status is None or not 200 <= status < 300 or ctype not in HTML_TYPES:
+            stats.bad("non_html_record", path, pos)
+            return None
+    else:
+        ctype = (rec.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        charset = None
+        if ctype not in HTML_TYPES:
+            stats.bad("non_html_record", path, pos)
+            return None
+    text = decode_html(body, charset)
+    if not text.strip():
+        stats.bad("empty_text", path, pos)
+        return None
+    stats.documents += 1
+    meta = {
+        "url": url,
+        "date": rec.headers.get("WARC-Date"),
+        "record_id": rec.headers.get("WARC-Record-ID"),
+    }
+    return Document(text, f"{path}:{pos}", path, pos, meta)
+
+
+# --- steps --------------------------------------------------------------------------
+
+
+class UrlBlockList:
+    """Domains (a line `example.com` blocks it and its subdomains) and URL patterns (a line
+    with `/` or `*`: shell-style, matched against the whole URL, case-insensitive).
+    `#` starts a comment."""
+
+    def __init__(self, path: str):
+        self.domains: set[str] = set()
+        patterns = []
+        with open(path, encoding="utf-8") as f:
+            for raw in f:
+                line = raw.split("#", 1)[0].strip().lower()
+                if not line:
+                    continue
+                if "/" in line or "*" in line or "?" in line:
+                    patterns.append(fnmatch.translate(line))
+                else:
+                    self.domains.add(line.lstrip("."))
+        self._pattern = re.compile("|".join(patterns)) if patterns else None
+
+    def check(self, url: str | None) -> str | None:
+        if not url:
+            return None
+        try:
+            host = (urlsplit(url).hostname or "").rstrip(".")
+        except ValueError:
+            host = ""
+        parts = host.split(".")
+        if any(".".join(parts[i:]) in self.domains for i in range(len(parts))):
+            return "blocked_domain"
+        if self._pattern is not None and self._pattern.match(url.lower()):
+            return "blocked_pattern"
+        return None
+
+
+class WebSteps:
+    """The web steps of one scan rank; `process(doc)` returns the document to go on with
+    (text rewritten, metadata added) or None when a step removed it."""
+
+    def __init__(self, cfg: dict, path: str):
+        html = cfg["html_key"] is not None or is_web_input(path)
+        self.block = None
+        if cfg["url_filter"]["enabled"] and cfg["url_filter"]["block_list"]:
+            self.block = UrlBlockList(cfg["url_filter"]["block_list"])
+        self.extract = None
+        if _enabled(cfg["extract"]["enabled"], html):
+            from mindloom_data._extract import Extractor
+
+            ex = cfg["extract"]
+            self.extract = Extractor(ex["method"], include_tables=ex["include_tables"])
+        self.fix = None
+        if _enabled(cfg["repair"]["enabled"], html):
+            ftfy = _require("ftfy")
+            # Encoding repairs only: ftfy's defaults also fold full-width punctuation
+            # (Chinese ，。：) to ASCII, uncurl quotes and NFC the text, which is not its job
+            # here (the normalize step decides about width and forms).
+            config = ftfy.TextFixerConfig(
+                unescape_html=False,
+                remove_terminal_escapes=False,
+                uncurl_quotes=False,
+                fix_latin_ligatures=False,
+                fix_character_width=False,
+                fix_line_breaks=False,
+                remove_control_chars=False,
+                normalization=None,
+            )
+            self.fix = functools.partial(ftfy.fix_text, config=config)
+        self.lang = None
+        lcfg = cfg["language"]
+        if lcfg["enabled"]:
+            from mindloom_data._langid import LanguageIdentifier
+
+            self.lang = LanguageIdentifier(lcfg["accuracy"], lcfg["max_chars"])
+            self.keep = list(lcfg["languages"])
+            self.threshold = float(lcfg["threshold"])
+        self.names = [
+            name
+            for name, on in (
+                ("url_filter", self.block),
+                ("extract", self.extract),
+                ("repair", self.fix),
+                ("language", self.lang),
+            )
+            if on is not None
+        ]
+        self.active = bool(self.names)
+
+    def process(self, doc: Document, steps: dict, removed: dict) -> Document | None:
+        text, meta = doc.text, dict(doc.metadata or {})
+        nbytes = _nbytes(text)
+        if self.block is not None:
+            st = steps["url_filter"]
+            st.docs_in += 1
+            st.bytes_in += nbytes
+            reason = self.block.check(meta.get("url"))
+            if reason is not None:
+                st.drop(reason, doc.id, text)
+                removed["url_filter"].add(doc.id, doc.source, doc.line, reason, text, meta)
+                return None
+            st.docs_out += 1
+            st.bytes_out += nbytes
+        if self.extract is not None:
+            st = steps["extract"]
+            st.docs_in += 1
+            st.bytes_in += nbytes
+            try:
+                out = self.extract(text)
+            except Exception as exc:  # a parser giving up on one page must not stop the run
+                out = ""
+                meta["extract_error"] = (
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                )
+            if not out.strip():
+                st.drop("extract_empty", doc.id, text)
+                removed["extract"].add(doc.id, doc.source, doc.line, "extract_empty", text, meta)
+                return None
+            text, nbytes = out, _nbytes(out)
+            st.docs_out += 1
+            st.bytes_out += nbytes
+        if self.fix is not None:
+            st = steps["repair"]
+            st.docs_in += 1
+            st.bytes_in += nbytes
+            fixed = self.fix(text)
+            if fixed != text:
+                st.drop("repaired", doc.id, text)  # counted, not removed: the doc goes on
+                text, nbytes = fixed, _nbytes(fixed)
+            st.docs_out += 1
+            st.bytes_out += nbytes
+        if self.lang is not None:
+            st = steps["language"]
+            st.docs_in += 1
+            st.bytes_in += nbytes
+            res = self.lang.identify(text)
+            meta["language"] = res.language
+            meta["language_score"] = res.score
+            if len(res.scores) > 1:
+                meta["language_scores"] = res.scores
+            if self.keep and res.kept_score(self.keep) < self.threshold:
+                reason = f"language_{res.language}"
+                st.drop(reason, doc.id, text)
+                removed["language"].add(doc.id, doc.source, doc.line, reason, text, meta)
+                return None
+            st.docs_out += 1
+            st.bytes_out += nbytes
+        return replace(doc, text=text, metadata=meta)
+
+
+def _nbytes(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+# --- output -------------------------------------------------------------------------
+
+
+def has_metadata(cfg: dict, files: list[str]) -> bool:
+    """Whether this run's shards carry a `metadata` column (JSON): web runs do."""
+    return (
+        cfg["html_key"] is not None
+        or cfg["language"]["enabled"]
+        or any(is_web_input(f) for f in files)
+    )
+
+
+def metadata_fields(cfg: dict, files: list[str]) -> list[tuple[str, pa.DataType]]:
+    # every cleaned shard now carries a `metadata` column (the records' own fields and
+    # the web steps' URL, date and language): nothing to add for web runs
+    return []
+
+
+def metadata_value(doc: Document) -> str:
+    return json.dumps(doc.metadata or {}, ensure_ascii=False, sort_keys=True)
+
+
+class LanguageRouter:
+    """Kept documents of one task into OUT/<language>/shard-NNNNN.parquet (and .jsonl)."""
+
+    def __init__(self, out, task: int, schema: pa.Schema, jsonl: bool):
+        self.out, self.task, self.schema, self.jsonl = out, task, schema, jsonl
+        self._writers: dict[str, tuple] = {}
+
+    def _writer(self, lang: str):
+        from mindloom_data._writers import JsonlWriter, ParquetShardWriter
+
+        if lang not in self._writers:
+            shard = self.out / _safe_lang(lang) / f"shard-{self.task:05d}.parquet"
+            self._writers[lang] = (
+                ParquetShardWriter(shard, schema=self.schema),
+                JsonlWriter(shard.with_suffix(".jsonl")) if self.jsonl else None,
+            )
+        return self._writers[lang]
+
+    def write_table(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        langs = [
+            json.loads(m).get("language", "unknown") for m in table.column("metadata").to_pylist()
+        ]
+        for lang in sorted(set(langs)):
+            mask = pa.array([x == lang for x in langs])
+            part = table.filter(mask)
+            pw, jw = self._writer(lang)
+            pw.write_table(part)
+            if jw is not None:
+                for rec in part.to_pylist():
+                    jw.write(rec)
+
+    def close(self) -> None:
+        for pw, jw in self._writers.values():
+            pw.close()
+            if jw is not None:
+                jw.close()
+
+
+def _safe_lang(lang: str) -> str:
+    return lang if re.fullmatch(r"[a-z]{2,3}", lang) else "unknown"
