@@ -373,6 +373,7 @@ class _Job:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.workers: set[int] = set()  # process groups of the workers (pid == pgid)
+        self.signalled: set[int] = set()
 
     def refresh(self) -> None:
         for child in _children(self.proc.pid):
@@ -386,8 +387,13 @@ class _Job:
         return [w for w in self.workers if _alive(w)]
 
     def signal_workers(self, sig: int) -> None:
+        """`sig` to every live worker not yet told (workers msrun starts after a stop
+        request are told when they appear)."""
         self.refresh()
         for w in self.live_workers():
+            if w in self.signalled:
+                continue
+            self.signalled.add(w)
             try:
                 os.killpg(w, sig)
             except ProcessLookupError:
@@ -400,7 +406,10 @@ class _Job:
         rc = None
         while True:
             if rc is None:
-                self.refresh()
+                if stop.forwarded:
+                    self.signal_workers(stop.signum)
+                else:
+                    self.refresh()
                 try:
                     rc = self.proc.wait(timeout=0.5)
                 except subprocess.TimeoutExpired:
@@ -440,16 +449,21 @@ class _StopRequest:
         self.signum: int | None = None
         self.since: float | None = None
         self.killed = False
+        self.forwarded = False
 
     def request(self, signum: int, job: _Job, forward: bool = True) -> None:
         import time
 
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
+            self.forwarded = forward
             if forward:
                 # to the workers only: they agree on a stop step, save and exit 0, and
                 # msrun then exits 0; the scheduler ends with them
                 job.signal_workers(signum)
+        elif forward and not self.forwarded:  # msrun died first; now the user asks too
+            self.forwarded = True
+            job.signal_workers(signum)
         elif forward:  # a second signal: stop waiting for the save
             self.since = float("-inf")
 
