@@ -7,7 +7,8 @@ check depends on timing luck:
 - A: uninterrupted, the reference.
 - B: at step 3 the test sends SIGTERM to the launcher's process group (as a shell or a
   scheduler does). Every rank stops at step 3, step 3 is a complete checkpoint, the
-  launcher exits 0 within the stop budget, and no msrun, scheduler or worker is left. A
+  launcher exits 0 within the stop budget, and no msrun, scheduler, worker or log tail is
+  left. A
   second launch into B's run directory while B lives is refused (the run lock). The
   relaunch resumes and its steps 4-6 equal A's bit for bit. Before B starts, an interrupted
   save of an "earlier run" is planted: B removes it at start.
@@ -59,11 +60,12 @@ def _start(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
 
 
 def _job_pids(config: Path) -> list[int]:
-    """Every live process of the job started with `config`: msrun (its command line
-    holds the log dir under the run dir), its scheduler and workers (the config path)."""
+    """Every live process of the job started with `config`: msrun and any log-tailing
+    helper (their command lines hold the log dir under the run dir), its scheduler and
+    workers (the config path)."""
     needles = [str(config.resolve()).encode()]
     run_dir = yaml.safe_load(config.read_text())["run_dir"]
-    needles.append(f"--log_dir={Path(run_dir).resolve() / 'msrun_logs'}".encode())
+    needles.append(str(Path(run_dir).resolve() / "msrun_logs").encode())
     me = os.getpid()
     out = []
     for entry in Path("/proc").iterdir():

@@ -123,6 +123,9 @@ def launch(
         f"--log_dir={log_dir}",
         "--join=True",
         f"--cluster_time_out={int(cluster_timeout_s)}",
+        # no rank: msrun would start one `tail -f` per worker log in its own process group,
+        # which outlives a SIGKILLed msrun (the per-rank logs are the record anyway)
+        f"--tail_worker_log={world}",
         *args,
     ]
     run_env = dict(os.environ if env is None else env)
