@@ -8,8 +8,7 @@ check depends on timing luck:
 - B: at step 3 the test sends SIGTERM to the launcher's process group (as a shell or a
   scheduler does). Every rank stops at step 3, step 3 is a complete checkpoint, the
   launcher exits 0 within the stop budget, and no msrun, scheduler, worker or log tail is
-  left. A
-  second launch into B's run directory while B lives is refused (the run lock). The
+  left. A second launch into B's run directory while B lives is refused (the run lock). The
   relaunch resumes and its steps 4-6 equal A's bit for bit. Before B starts, an interrupted
   save of an "earlier run" is planted: B removes it at start.
 - C: at step 2 the launcher is SIGKILLed: msrun, its scheduler and the workers all end
