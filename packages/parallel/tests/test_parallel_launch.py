@@ -59,6 +59,25 @@ def test_diagnose_reads_the_per_rank_logs(tmp_path):
     assert diagnose(tmp_path, 1).startswith("worker rank 1 failed: ValueError: shapes differ")
 
 
+def test_diagnose_names_a_rank_killed_by_a_signal(tmp_path):
+    """issue 23 item 10: the survivor's failed collective used to make a SIGKILLed rank read
+    as "rendezvous timed out". msrun's own line gives the pid and the signal; the worker's
+    pid line (guard_worker) gives its rank. The real-msrun check is in
+    packages/train/tests/test_train_hang.py (killed rank)."""
+    (tmp_path / "msrun.log").write_text(
+        "[ERROR] ME(1:1,python):2026-12-01 [_api.py:365] Worker process 4242 exit with "
+        "exception. Error code: -9.\n"
+    )
+    (tmp_path / "worker_0.log").write_text(
+        "mindloom worker pid 4241\nTraceback (most recent call last):\n  File x\n"
+        "RuntimeError: The pointer[cluster] is null. Cluster is not ready: time out\n"
+    )
+    (tmp_path / "worker_1.log").write_text("mindloom worker pid 4242\nstep 2\n")
+    msg = diagnose(tmp_path, 1)
+    assert msg.startswith("worker rank 1 was killed by SIGKILL"), msg
+    assert "rendezvous" not in msg
+
+
 @pytest.mark.msrun
 def test_a_dead_worker_is_named_and_the_job_ends(tmp_path):
     with pytest.raises(LaunchError) as e:
