@@ -82,3 +82,40 @@ def test_console_script_once(run_dir, tmp_path):
         and res.stderr.startswith("error: run directory")
         and "Traceback" not in res.stderr
     )
+
+
+def test_once_refuses_a_fifo_as_metrics_in_one_line(tmp_path):
+    """issue 23 item 10: a FIFO as metrics.jsonl hung `--once` in its open(); now one line.
+    Run in a subprocess with a timeout, so the old behaviour fails the test, not the suite."""
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    cmd = [sys.executable, "-m", "mindloom_monitor", "--once", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'metrics.jsonl'}: not a regular file; refusing to read it"
+    ]
+
+
+def test_tail_readers_treat_a_fifo_as_absent(tmp_path):
+    """The TUI's readers (after start-up, a FIFO may appear in place of the log) never
+    block on one: read_initial and read_last_lines report it absent, a follower does not attach."""
+    import threading
+
+    from mindloom_monitor._tail import Follower, read_initial, read_last_lines
+
+    fifo = tmp_path / "train.log"
+    os.mkfifo(fifo)
+    results = []
+
+    def read_all():
+        results.append(read_initial(fifo).exists)
+        results.append(read_last_lines(fifo, 5).exists)
+        results.append(Follower(fifo).attach(0))
+
+    t = threading.Thread(target=read_all, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    if t.is_alive():  # unblock the reader so the test process can end
+        os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        pytest.fail("a reader blocked on the FIFO")
+    assert results == [False, False, False]

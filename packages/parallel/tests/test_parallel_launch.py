@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +59,25 @@ def test_diagnose_reads_the_per_rank_logs(tmp_path):
     assert diagnose(tmp_path, 1).startswith("worker rank 1 failed: ValueError: shapes differ")
 
 
+def test_diagnose_names_a_rank_killed_by_a_signal(tmp_path):
+    """issue 23 item 10: the survivor's failed collective used to make a SIGKILLed rank read
+    as "rendezvous timed out". msrun's own line gives the pid and the signal; the worker's
+    pid line (guard_worker) gives its rank. The real-msrun check is in
+    packages/train/tests/test_train_hang.py (killed rank)."""
+    (tmp_path / "msrun.log").write_text(
+        "[ERROR] ME(1:1,python):2026-12-01 [_api.py:365] Worker process 4242 exit with "
+        "exception. Error code: -9.\n"
+    )
+    (tmp_path / "worker_0.log").write_text(
+        "mindloom worker pid 4241\nTraceback (most recent call last):\n  File x\n"
+        "RuntimeError: The pointer[cluster] is null. Cluster is not ready: time out\n"
+    )
+    (tmp_path / "worker_1.log").write_text("mindloom worker pid 4242\nstep 2\n")
+    msg = diagnose(tmp_path, 1)
+    assert msg.startswith("worker rank 1 was killed by SIGKILL"), msg
+    assert "rendezvous" not in msg
+
+
 @pytest.mark.msrun
 def test_a_dead_worker_is_named_and_the_job_ends(tmp_path):
     with pytest.raises(LaunchError) as e:
@@ -94,3 +117,104 @@ def test_script_options_colliding_with_the_launcher_are_refused(tmp_path):
     with pytest.raises(LaunchError, match="--worker would be read by msrun"):
         launch([WORKER, "--worker"], nproc=2, log_dir=tmp_path / "l")
     assert not (tmp_path / "l" / "msrun.log").exists()
+
+
+def _holder(lock_path: Path, code: str = "") -> subprocess.Popen:
+    """Another process that takes the run lock, prints `held`, then runs `code` or waits."""
+    src = (
+        "import sys, time\n"
+        "from mindloom_parallel import RunLock\n"
+        f"lock = RunLock({str(lock_path)!r}).acquire()\n"
+        "print('held', flush=True)\n" + (code or "time.sleep(600)\n")
+    )
+    proc = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_killed_one(tmp_path):
+    """issue 23 item 2: one live job per run directory; a SIGKILLed holder's lock is stale."""
+    import json
+    import socket
+
+    from mindloom_parallel import RunLock
+
+    path = tmp_path / "run" / ".launch.lock"
+    holder = _holder(path)
+    try:
+        with pytest.raises(LaunchError, match="is in use by a live job") as e:
+            RunLock(path).acquire()
+        assert f'"pid": {holder.pid}' in str(e.value)
+        assert json.dumps(socket.gethostname()) in str(e.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = RunLock(path).acquire()  # the kernel dropped the dead holder's flock
+    assert lock.stale is not None and f'"pid": {holder.pid}' in lock.stale
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_run_lock_is_held_while_a_process_sharing_it_lives(tmp_path):
+    """What a worker does (guard_worker): hold the launcher's lock shared, so a relaunch is
+    refused while a worker of a killed launcher still runs."""
+    from mindloom_parallel import RunLock
+
+    path = tmp_path / ".launch.lock"
+    share = (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDONLY)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+        "print('shared', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    lock = RunLock(path).acquire()
+    worker = subprocess.Popen([sys.executable, "-c", share], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "shared"
+        lock.release()  # the launcher is gone, its worker is not
+        with pytest.raises(LaunchError, match="is in use by a live job"):
+            RunLock(path).acquire()
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    RunLock(path).acquire().release()
+
+
+def test_parent_death_signal_ends_the_child_of_a_sigkilled_parent(tmp_path):
+    """set_parent_death_signal, as msrun's workers use it: SIGKILL the parent, the child
+    gets SIGTERM and ends (it would otherwise sleep on, reparented)."""
+    child_src = (
+        "import time\n"
+        "from mindloom_parallel import set_parent_death_signal\n"
+        "assert set_parent_death_signal()\n"
+        "print('armed', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent_src = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child_src!r}], stdout=subprocess.PIPE,"
+        " text=True)\n"
+        "assert c.stdout.readline().strip() == 'armed'\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_src], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the child outlived its SIGKILLed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

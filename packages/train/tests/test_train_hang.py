@@ -5,8 +5,8 @@ the graph). (a) Rank 1 blocks at the start of step 4 in a C call that holds the 
 its own watchdog cannot help, while the cluster still sees it alive), and rank 0 blocks in the step's all-reduce: rank 0's watchdog ends it with exit
 code 4 after parallelism.comm_timeout_s, naming its rank and the step; msrun then tears
 down the job and the launch fails.
-(b) Rank 1 is SIGKILLed at step 3: msrun tears rank 0 down, the launch fails, and a
-relaunch resumes from the last complete checkpoint (step 2) and finishes.
+(b) Rank 1 is SIGKILLed at step 3: msrun tears rank 0 down, the launch fails with a line
+naming rank 1 and SIGKILL, and a relaunch resumes from the last complete checkpoint (step 2) and finishes.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def test_killed_rank_ends_the_job_and_relaunch_resumes(prepared, tmp_path, monke
     code, err, took = _finish(proc, run / "msrun_logs")
     print(f"killed-rank launch ended after {took:.0f} s")
     assert code != 0, err[-2000:]
+    # the launcher names the killed rank and the signal (it used to say "rendezvous timed out")
+    line = [ln for ln in err.splitlines() if ln.startswith("error: launch:")]
+    assert len(line) == 1 and "worker rank 1 was killed by SIGKILL" in line[0], err[-2000:]
+    assert "rendezvous" not in line[0]
     assert read_tracker(run / "checkpoints") == 2
     assert not events(run, "end")  # msrun tore rank 0 down inside the collective
     proc = _launch(cfg, tmp_path / "kill.yaml")

@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             what = "not a directory" if os.path.exists(run_dir) else "no such directory"
             print(f"error: run directory {run_dir!r}: {what}", file=sys.stderr)
             return 2
+        for name in ("metrics.jsonl", "train.log"):
+            path = os.path.join(run_dir, name)
+            # a FIFO there would block every read of it (stat follows a symlink: a link to
+            # a regular file is fine to read)
+            if os.path.exists(path) and not os.path.isfile(path):
+                print(f"error: {path}: not a regular file; refusing to read it", file=sys.stderr)
+                return 2
     from mindloom_monitor._stats import RunData, Settings
 
     settings = Settings(stall_after_s=args.stall_after)

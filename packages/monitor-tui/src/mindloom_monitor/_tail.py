@@ -10,7 +10,9 @@ without parsing every line.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 # A line longer than this is garbage (the trainer writes a few hundred bytes); dropping
 # it bounds memory when a binary file is appended by mistake.
@@ -56,7 +58,7 @@ class Follower:
         `ident` is the (device, inode) that `pos` belongs to: if the file was replaced in
         between, the new one is read from the start instead."""
         try:
-            fh = open(self.path, "rb")  # noqa: SIM115 - kept open while following
+            fh = open_regular(self.path)  # kept open while following
         except OSError:
             return False
         st = os.fstat(fh.fileno())
@@ -139,6 +141,20 @@ class Initial:
     ident: tuple[int, int] | None = None  # (device, inode) of what was read
 
 
+class NotRegularFile(OSError):
+    """A FIFO, socket or device where a log file should be: never read (it can block)."""
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open for reading without blocking on a FIFO; only regular files are returned."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(f"{os.fspath(path)}: not a regular file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb")  # noqa: SIM115
+
+
 def read_initial(
     path: str | os.PathLike,
     *,
@@ -152,8 +168,8 @@ def read_initial(
     budgets and `samples`, whatever the file's size.
     """
     try:
-        fh = open(path, "rb")  # noqa: SIM115
-    except FileNotFoundError:
+        fh = open_regular(path)
+    except (FileNotFoundError, NotRegularFile):
         return Initial([], [], [], 0, b"", 0, False)
     with fh:
         st = os.fstat(fh.fileno())
@@ -208,8 +224,8 @@ def read_initial(
 def read_last_lines(path: str | os.PathLike, n: int, max_bytes: int = 256 << 10) -> Initial:
     """The last `n` complete lines of a text file (for train.log)."""
     try:
-        fh = open(path, "rb")  # noqa: SIM115
-    except FileNotFoundError:
+        fh = open_regular(path)
+    except (FileNotFoundError, NotRegularFile):
         return Initial([], [], [], 0, b"", 0, False)
     with fh:
         st = os.fstat(fh.fileno())

@@ -6,7 +6,15 @@ See the package README for the API and the layouts.
 from mindloom_parallel.__about__ import __version__
 from mindloom_parallel._config import ParallelConfig, ParallelConfigError, validate
 from mindloom_parallel._groups import Group, ParallelGroups, dp_slice, init_parallel, rank_coords
-from mindloom_parallel._launch import LaunchError, launch
+from mindloom_parallel._launch import (
+    EXIT_ORPHANED,
+    LaunchError,
+    LaunchStopped,
+    RunLock,
+    guard_worker,
+    launch,
+    set_parent_death_signal,
+)
 from mindloom_parallel._layout import (
     TensorSpec,
     assemble_state,
@@ -20,14 +28,17 @@ from mindloom_parallel._pp import one_f_one_b, stage_layers
 
 __all__ = [
     "__version__",
+    "EXIT_ORPHANED",
     "CommStats",
     "Group",
     "GradReducer",
     "LaunchError",
+    "LaunchStopped",
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelEngine",
     "ParallelGroups",
+    "RunLock",
     "ShardedOptimizer",
     "TensorSpec",
     "assemble_state",
@@ -35,7 +46,9 @@ __all__ = [
     "comm_stats",
     "dp_slice",
     "init_parallel",
+    "guard_worker",
     "launch",
+    "set_parent_death_signal",
     "layout_metadata",
     "native_collectives",
     "one_f_one_b",

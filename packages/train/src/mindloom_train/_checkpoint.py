@@ -349,6 +349,35 @@ def stale_temp_dirs(save_path: Path) -> list[Path]:
     return sorted(p for p in save_path.iterdir() if p.name.startswith((".tmp-step_", ".old-step_")))
 
 
+def clean_stale_saves(save_path: Path, log: Callable[[str], None]) -> list[str]:
+    """At the start of a run (rank 0 only, under the run lock): delete interrupted saves,
+    `.tmp-step_*` / `.old-step_*` and step directories without `common.json`, but never
+    the step `latest` names (nor any step directory while `latest` is unreadable).
+    Returns the names deleted; each is logged."""
+    save_path = Path(save_path)
+    if not save_path.is_dir():
+        return []
+    try:
+        tracked: int | None | str = read_tracker(save_path)
+    except CheckpointError:
+        tracked = "unreadable"
+    victims = stale_temp_dirs(save_path)
+    if tracked != "unreadable":
+        for p in sorted(save_path.iterdir()):
+            m = STEP_RE.match(p.name)
+            if (m and int(m.group(1)) != tracked and p.is_dir() and not p.is_symlink()
+                    and not (p / "common.json").exists()):  # fmt: skip
+                victims.append(p)
+    removed = []
+    for p in victims:
+        if p.is_symlink() or not p.is_dir():
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        log(f"checkpoint: removed {p.name}, an incomplete save of an earlier run")
+        removed.append(p.name)
+    return removed
+
+
 # ---------------------------------------------------------------------------------------
 # load
 

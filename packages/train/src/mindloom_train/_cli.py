@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, default=None)
     p.add_argument("--log-dir", default=None, help="per-rank logs (default RUN_DIR/msrun_logs)")
     p.add_argument("--timeout", type=int, default=600, help="rendezvous timeout, seconds")
+    p.add_argument("--stop-grace", type=float, default=300.0,
+                   help="after SIGTERM/SIGINT: seconds the workers get to save before a kill")  # fmt: skip
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="a step directory or a save path")

@@ -301,11 +301,37 @@ def _device_name(target: str) -> str:
 
 
 def cmd_launch(args) -> int:
-    from mindloom_parallel import LaunchError, ParallelConfig, ParallelConfigError, launch
+    from mindloom_parallel import LaunchError
 
     from mindloom_train._config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    lock = None
+    if args.node_rank == 0:  # one live job per run directory (the other nodes share it)
+        from mindloom_parallel import RunLock
+
+        try:
+            lock = RunLock(Path(cfg.run_dir) / ".launch.lock").acquire()
+        except LaunchError as exc:
+            raise CommandError(f"launch: {exc}") from None
+        if lock.stale:
+            print(f"launch: took over a stale run lock ({lock.stale})", file=sys.stderr)
+    try:
+        return _launch_locked(args, cfg, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch_locked(args, cfg, lock) -> int:
+    from mindloom_parallel import (
+        LaunchError,
+        LaunchStopped,
+        ParallelConfig,
+        ParallelConfigError,
+        launch,
+    )
+
     p = cfg.parallelism
     pcfg = ParallelConfig(dp=p.dp, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
                           micro_batch_num=p.micro_batch_num, zero_stage=p.zero_stage)  # fmt: skip
@@ -351,7 +377,12 @@ def cmd_launch(args) -> int:
             master_port=args.master_port,
             log_dir=log_dir,
             cluster_timeout_s=args.timeout,
+            stop_grace_s=args.stop_grace,
+            lock=lock,
         )
+    except LaunchStopped as exc:  # the documented clean stop: exit 0, like one process
+        print(f"launch: {exc}", file=sys.stderr)
+        return 0
     except LaunchError as exc:
         raise CommandError(f"launch: {exc}") from None
     except ParallelConfigError as exc:

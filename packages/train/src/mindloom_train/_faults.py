@@ -17,6 +17,10 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            MindSpore's heartbeat goes on), so the other ranks
                                            wait in its collective
     MINDLOOM_FAULT="sigkill@3:1"           rank 1 SIGKILLs itself at the start of update 3
+    MINDLOOM_FAULT="sigint@6"              SIGINT to this process during update 6
+    MINDLOOM_FAULT="await_stop@3"          update 3 waits (up to 300 s) for a stop signal,
+                                           after printing a marker line: a test signals the
+                                           launcher then, at a known step
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -34,7 +38,9 @@ from dataclasses import dataclass
 
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
-_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill"}
+_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill", "sigint",
+               "await_stop"}  # fmt: skip
+AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
 
 
@@ -86,10 +92,18 @@ class FaultInjector:
                 return True
         return False
 
-    def at_step_start(self, step: int) -> None:
-        """The faults that fire as update `step` begins: sigterm, sigkill, hang."""
+    def at_step_start(self, step: int, stopped=lambda: False) -> None:
+        """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,
+        await_stop (until `stopped()`)."""
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.step_fault("sigint", step):
+            os.kill(os.getpid(), signal.SIGINT)
+        if self.step_fault("await_stop", step):
+            print(f"{AWAIT_MARKER} step={step} rank={self.rank}", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + 300
+            while not stopped() and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.step_fault("sigkill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.step_fault("hang", step):

@@ -7,9 +7,11 @@ numbers are written as JSON null.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,31 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class RunFileError(OSError):
+    """A file the run appends to is not a regular file of its own (one line)."""
+
+
+def open_run_file(path: Path) -> TextIO:
+    """Open `path` for appending, mode 0o640, never through a symlink (O_NOFOLLOW: a link
+    planted as metrics.jsonl or train.log would have its target appended to and chmodded)
+    and never a FIFO or device (O_NONBLOCK, so a FIFO cannot hang the open)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o640)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise RunFileError(f"{path}: is a symlink; refusing to write through it") from None
+        if exc.errno == errno.ENXIO:
+            raise RunFileError(f"{path}: is a FIFO or socket, not a regular file") from None
+        raise RunFileError(f"{path}: cannot open for writing: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunFileError(f"{path}: is not a regular file; refusing to write to it")
+    os.set_blocking(fd, True)
+    os.fchmod(fd, 0o640)
+    return open(fd, "a", encoding="utf-8")  # noqa: SIM115 (held for the run)
+
+
 class MetricsWriter:
     """Appends records to metrics.jsonl; a no-op writer on ranks other than 0."""
 
@@ -50,8 +77,7 @@ class MetricsWriter:
         self._f: TextIO | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held for the run)
-            os.chmod(path, 0o640)
+            self._f = open_run_file(path)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
@@ -79,7 +105,7 @@ class RunLog:
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            self._f = open_run_file(path)
         self._progress_open = False
         self.tty = bool(getattr(self.console, "isatty", lambda: False)())
 

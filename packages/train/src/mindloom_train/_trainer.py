@@ -137,6 +137,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if is_main else None)
         if is_main:
             ck.atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
+            ck.clean_stale_saves(self.save_path, self.log)
 
     def _setup_context(self) -> None:
         import mindspore as ms
@@ -605,7 +606,11 @@ class Trainer:
         except TrainError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED
-        self._setup_dirs()
+        try:
+            self._setup_dirs()
+        except OSError as exc:  # e.g. metrics.jsonl is a symlink (never followed)
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
         status, reason, code = "failed", "", EXIT_FAILED
         self.step = 0
         try:
@@ -737,7 +742,7 @@ class Trainer:
                     profiler = self._start_profiler()
                 t_step = time.perf_counter()
                 self._watch(f"step {step}", compiles="train")
-                self.fault.at_step_start(step)
+                self.fault.at_step_start(step, stopped=lambda: self._stop_signal is not None)
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
                 prev_sum = 0.0
                 time_up = False
@@ -777,7 +782,7 @@ class Trainer:
                     # decisions that lead to collectives (save, eval, log) use the agreed
                     # flags, never a signal that reached this rank after the agreement
                     if stop_any and self._stop_signal is None:
-                        self._stop_signal = "SIGTERM (another rank)"
+                        self._stop_signal = "a stop signal on another rank"
                     stop_now = stop_any
                     window["comm_s"] = window.get("comm_s", 0.0) + self.par.rank_metrics["comm_s"]
                     window["rank_step_s"] = (
@@ -788,7 +793,7 @@ class Trainer:
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
                     ok = bool(ok_t.asnumpy())
                     if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
-                        self._stop_signal = "SIGTERM (another rank)"
+                        self._stop_signal = "a stop signal on another rank"
                     stop_now = None  # the compiled path reads self._stop_signal as it goes
                 dt = time.perf_counter() - t_step
                 self.step = step

@@ -6,6 +6,9 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mindloom_parallel import guard_worker
+
+    guard_worker()  # never outlive msrun or the launcher
     from mindloom_train._cli import main as cli_main
 
     return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,226 @@
+"""Signals to `mindloom launch` (issue 23 item 2; reliability tests 14 and 15).
+
+Real msrun, 2 CPU workers, plain data parallel; three launches at once (their start-up
+overlaps), each waiting at a known step through the test-only `await_stop` fault so no
+check depends on timing luck:
+
+- A: uninterrupted, the reference.
+- B: at step 3 the test sends SIGTERM to the launcher's process group (as a shell or a
+  scheduler does). Every rank stops at step 3, step 3 is a complete checkpoint, the
+  launcher exits 0 within the stop budget, and no msrun, scheduler, worker or log tail is
+  left. A second launch into B's run directory while B lives is refused (the run lock). The
+  relaunch resumes and its steps 4-6 equal A's bit for bit. Before B starts, an interrupted
+  save of an "earlier run" is planted: B removes it at start.
+- C: at step 2 the launcher is SIGKILLed: msrun, its scheduler and the workers all end
+  (parent-death signals), and the run lock is free again.
+
+Before the fix, B's SIGTERM killed only the launcher (msrun and the workers ran on, in
+sessions of their own) and C's workers trained on to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mindloom_train._checkpoint import read_tracker, step_dirname
+from mindloom_train._faults import AWAIT_MARKER
+from train_testutil import SCHED, base_config, events, run_cli, step_records
+
+STEPS = 6
+STOP_STEP = 3
+STOP_BUDGET_S = 180  # SIGTERM -> every process of the job gone (the documented grace is 300 s)
+
+
+def _config(prepared, run: Path) -> dict:
+    return base_config(prepared, run, lr_scheduler=SCHED,
+                       training={"train_iters": STEPS, "micro_batch_size": 2},
+                       parallelism={"dp": 2}, checkpoint={"save_interval": 0})  # fmt: skip
+
+
+def _start(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
+    return subprocess.Popen(
+        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
+         "--timeout", "900", "--stop-grace", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,  # its own process group, as a shell job
+    )  # fmt: skip
+
+
+def _job_pids(config: Path) -> list[int]:
+    """Every live process of the job started with `config`: msrun and any log-tailing
+    helper (their command lines hold the log dir under the run dir), its scheduler and
+    workers (the config path)."""
+    needles = [str(config.resolve()).encode()]
+    run_dir = yaml.safe_load(config.read_text())["run_dir"]
+    needles.append(str(Path(run_dir).resolve() / "msrun_logs").encode())
+    me = os.getpid()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and any(n in cmd for n in needles):
+            out.append(int(entry.name))
+    return out
+
+
+def _gone_within(config: Path, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _job_pids(config)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def _awaiting(run: Path) -> bool:
+    logs = sorted((run / "msrun_logs").glob("worker_*.log"))
+    return len(logs) == 2 and all(AWAIT_MARKER in p.read_text(errors="replace") for p in logs)
+
+
+def _kill_job(config: Path) -> None:
+    for pid in _job_pids(config):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def jobs(prepared, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("launch_signals")
+    runs = {name: root / name for name in "abc"}
+    configs = {name: root / f"{name}.yaml" for name in "abc"}
+    # an interrupted save of an earlier run in B's checkpoint directory
+    ckdir = runs["b"] / "checkpoints"
+    for stale in (f".tmp-{step_dirname(9)}", step_dirname(7)):
+        (ckdir / stale).mkdir(parents=True)
+        (ckdir / stale / "model-partial.safetensors").write_bytes(b"x" * 10)
+    procs = {
+        "a": _start(_config(prepared, runs["a"]), configs["a"]),
+        "b": _start(_config(prepared, runs["b"]), configs["b"], f"await_stop@{STOP_STEP}"),
+        "c": _start(_config(prepared, runs["c"]), configs["c"], "await_stop@2"),
+    }
+    out: dict = {"runs": runs, "configs": configs}
+    try:
+        deadline = time.monotonic() + 900  # the first step compiles: slow on a loaded machine
+        pending = {"b", "c"}
+        while pending and time.monotonic() < deadline:
+            for name in [n for n in ("c", "b") if n in pending]:  # the quick one first
+                assert procs[name].poll() is None, procs[name].communicate()[1][-3000:]
+                if not _awaiting(runs[name]):
+                    continue
+                pending.discard(name)
+                if name == "c":  # SIGKILL: the launcher cannot do anything about it
+                    procs["c"].kill()
+                    procs["c"].wait()
+                    out["c_left"] = _gone_within(configs["c"], STOP_BUDGET_S)
+                else:
+                    out["second"] = run_cli("launch", "--nproc", "2", str(configs["b"]),
+                                            timeout=240)  # fmt: skip
+                    t0 = time.monotonic()
+                    os.killpg(procs["b"].pid, signal.SIGTERM)
+                    _, out["b_err"] = procs["b"].communicate(timeout=STOP_BUDGET_S)
+                    out["b_code"] = procs["b"].returncode
+                    out["b_left"] = _gone_within(configs["b"], 30)
+                    out["b_took"] = time.monotonic() - t0
+            time.sleep(0.5)
+        assert not pending, f"never reached the await_stop step: {pending}"
+        print(f"SIGTERM to B's launcher -> all of B gone in {out['b_took']:.1f} s")
+        out["b_logs"] = "\n".join(
+            p.read_text(errors="replace") for p in sorted((runs["b"] / "msrun_logs").glob("*.log"))
+        )
+        out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
+        out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
+        _, err = procs["a"].communicate(timeout=900)
+        assert procs["a"].returncode == 0, err[-3000:]
+        # B's relaunch: resumes from step 3 and finishes
+        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
+        _, err = procs["b2"].communicate(timeout=900)
+        assert procs["b2"].returncode == 0, err[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:  # only after a failed assertion or a timeout
+                proc.kill()
+                proc.communicate()
+        for config in configs.values():
+            _kill_job(config)
+    return out
+
+
+@pytest.mark.msrun
+def test_sigterm_to_launcher_stops_all_ranks_at_one_step_with_a_checkpoint(jobs):
+    run = jobs["runs"]["b"]
+    assert jobs["b_code"] == 0, jobs["b_err"][-3000:]  # the documented code of a clean stop
+    assert "launch: SIGTERM received: every worker saved a checkpoint and stopped" in jobs["b_err"]
+    # both ranks name the signal and the same step
+    logs = jobs["b_logs"]
+    assert f"run: SIGTERM received; saving step {STOP_STEP} and exiting" in logs
+    assert f"[rank 1] run: SIGTERM received; saving step {STOP_STEP} and exiting" in logs
+    assert jobs["b_tracker"] == STOP_STEP
+    step_dir = run / "checkpoints" / step_dirname(STOP_STEP)
+    assert (step_dir / "common.json").is_file()
+    stopped = [r for r in map(yaml.safe_load, jobs["b_stopped_metrics"].splitlines())
+               if r.get("event") == "end"]  # fmt: skip
+    assert stopped[0]["status"] == "stopped" and stopped[0]["exit_code"] == 0
+    assert stopped[0]["reason"] == "SIGTERM received" and stopped[0]["step"] == STOP_STEP
+
+
+@pytest.mark.msrun
+def test_sigterm_to_launcher_leaves_no_process_behind(jobs):
+    assert jobs["b_left"] == []
+
+
+@pytest.mark.msrun
+def test_second_launch_into_a_live_run_dir_is_refused(jobs):
+    second = jobs["second"]
+    assert second.returncode == 1
+    err = second.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: launch: "), second.stderr
+    assert "is in use by a live job" in err[0] and '"pid": ' in err[0], err[0]
+    # the refused launch touched nothing: B's own run went on and stopped cleanly
+    assert jobs["b_code"] == 0
+
+
+@pytest.mark.msrun
+def test_interrupted_saves_of_an_earlier_run_are_removed_at_start(jobs):
+    ckdir = jobs["runs"]["b"] / "checkpoints"
+    assert not (ckdir / f".tmp-{step_dirname(9)}").exists()
+    assert not (ckdir / step_dirname(7)).exists()
+    log = (jobs["runs"]["b"] / "train.log").read_text()
+    assert f"removed .tmp-{step_dirname(9)}, an incomplete save of an earlier run" in log
+    assert f"removed {step_dirname(7)}, an incomplete save of an earlier run" in log
+
+
+@pytest.mark.msrun
+def test_resume_after_the_sigterm_stop_is_bit_exact(jobs):
+    a, b = step_records(jobs["runs"]["a"]), step_records(jobs["runs"]["b"])
+    assert sorted(b) == list(range(1, STEPS + 1))
+    for step in range(STOP_STEP + 1, STEPS + 1):
+        for key in ("loss", "grad_norm", "lr"):
+            assert b[step][key] == a[step][key], (step, key, b[step][key], a[step][key])
+    starts = events(jobs["runs"]["b"], "start")
+    assert starts[-1]["resumed_from"] is not None and starts[-1]["step"] == STOP_STEP
+
+
+@pytest.mark.msrun
+def test_sigkill_to_launcher_leaves_no_worker_running(jobs):
+    from mindloom_parallel import RunLock
+
+    assert jobs["c_left"] == []
+    lock = RunLock(jobs["runs"]["c"] / ".launch.lock").acquire()  # free: nobody holds it
+    lock.release()
