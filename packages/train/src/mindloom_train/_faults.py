@@ -17,6 +17,8 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            MindSpore's heartbeat goes on), so the other ranks
                                            wait in its collective
     MINDLOOM_FAULT="sigkill@3:1"           rank 1 SIGKILLs itself at the start of update 3
+    MINDLOOM_FAULT="step_error@5"          update 5 raises the plain RuntimeError a failing
+                                           MindSpore op raises (the "failed step" exit row)
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
-_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill"}
+_STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill", "step_error"}
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
 
 
@@ -90,6 +92,8 @@ class FaultInjector:
         """The faults that fire as update `step` begins: sigterm, sigkill, hang."""
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.step_fault("step_error", step):
+            raise RuntimeError(f"MINDLOOM_FAULT: step_error injected at step {step}")
         if self.step_fault("sigkill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.step_fault("hang", step):
