@@ -588,7 +588,11 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def _safe_load(text: str) -> Any:
-    return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 (a SafeLoader subclass)
+    loader = _NoAliasLoader(text)  # what yaml.safe_load does, with this SafeLoader
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
