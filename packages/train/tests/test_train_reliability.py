@@ -109,20 +109,20 @@ def test_cli_refuses_infinite_eps_in_one_line(tmp_path):
     assert proc.stderr == "error: config key optimizer.eps: expected a finite number, got 'inf'\n"
 
 
-# The report's amplification config: 1.4 KB of nested aliases that expand to 9**9 strings
-# (34 s, 2.1 GB and a 722 MB "one-line" error before).
+# The report's amplification config: 1.4 KB of nested aliases inside one key, expanding to
+# 9**9 strings (before: 34 s, 2.1 GB and a 722 MB "one-line" error echoing the value).
 _LAUGHS = "\n".join(
     [
         "# billion laughs: every level is nine aliases of the previous one",
-        'lol: &laughs_0 ["lol lol lol lol lol lol lol lol lol lol lol lol lol lol lol lol"]',
+        "training:",
+        "  train_iters:",
+        '    - &laughs_0 ["lol lol lol lol lol lol lol lol lol lol lol lol lol lol lol lol"]',
         *(
-            f"level{i}: &laughs_{i} [{', '.join(f'*laughs_{i - 1}' for _ in range(9))}]"
+            f"    - &laughs_{i} [{', '.join(f'*laughs_{i - 1}' for _ in range(9))}]"
             for i in range(1, 10)
         ),
-        "training:",
-        "  train_iters: *laughs_9",
         "train_dataset:",
-        "  data_prefix: *laughs_9",
+        "  data_prefix: [x]",
         "",
     ]
 )
@@ -135,7 +135,7 @@ def test_yaml_alias_amplification_fails_fast_with_a_short_message(tmp_path):
     proc = run_cli("train", str(path), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and len(proc.stderr) < 300
-    assert proc.stderr.startswith(f"error: config file {path}: line 3 column")
+    assert proc.stderr.startswith(f"error: config file {path}: line 5 column")
     assert "aliases (*laughs_0) are not supported" in proc.stderr
 
 
@@ -481,3 +481,28 @@ def test_row_enospc_on_metrics_ends_with_one_line_and_whole_records(prepared, tm
     assert text.endswith("\n")
     records = [json.loads(line) for line in text.splitlines()]  # every line whole
     assert any("step" in r and "event" not in r for r in records)
+
+
+def test_model_constructor_builds_no_seq_squared_buffer():
+    """A 9.3 GiB causal mask was built in Llama's constructor at max_seq_len 100000. Here
+    at 20000 (the old buffer: 400 MB, built twice): the constructor's peak memory growth
+    stays far below it, and a short forward still masks causally."""
+    code = (
+        "import resource, numpy as np, mindspore as ms\n"
+        "from mindloom_model import Llama, get_preset\n"
+        "ms.set_context(mode=ms.PYNATIVE_MODE, device_target='CPU')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "m = Llama(get_preset('debug', max_seq_len=20000, vocab_size=64))\n"
+        "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+        "t = np.array([[1, 2, 3, 4, 5, 6]], np.int32)\n"
+        "a = m(ms.Tensor(t)).asnumpy()\n"
+        "t[0, 4:] = [9, 9]\n"
+        "b = m(ms.Tensor(t)).asnumpy()\n"
+        "print(grown, float(np.abs(a[0, :4] - b[0, :4]).max()), float(np.abs(a[0, 4:] - b[0, 4:]).max()))\n"
+    )  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "GLOG_v": "3"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown_kib, same_prefix, changed_suffix = proc.stdout.split()
+    assert int(grown_kib) < 200 * 1024  # < 200 MiB
+    assert float(same_prefix) == 0.0 and float(changed_suffix) > 0  # causal: the past only

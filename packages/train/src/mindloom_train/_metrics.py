@@ -66,7 +66,8 @@ class MetricsWriter:
         try:  # ONE write() per record; a short one (a full disk) is undone, not left
             n = os.write(fd, data)
             if n != len(data):
-                raise OSError(errno.ENOSPC, f"short write ({n} of {len(data)} bytes)")
+                why = f"{os.strerror(errno.ENOSPC)} (short write, {n} of {len(data)} bytes)"
+                raise OSError(errno.ENOSPC, why)
         except OSError as exc:
             try:
                 os.ftruncate(fd, end)  # no partial last line
