@@ -195,8 +195,13 @@ def _common(step: int, gbs: int = 4) -> dict:
         "loss_scale": {"scale": 1.0, "good_steps": 0},
         "lr": 1e-3,
         "rng": {
-            "numpy": [rng_np[0], rng_np[1].tolist(), int(rng_np[2]), int(rng_np[3]),
-                      float(rng_np[4])],  # fmt: skip
+            "numpy": [
+                rng_np[0],
+                rng_np[1].tolist(),
+                int(rng_np[2]),
+                int(rng_np[3]),
+                float(rng_np[4]),
+            ],  # fmt: skip
             "python": [py[0], list(py[1]), py[2]],
             "mindspore": [1234, 0],
         },
@@ -254,23 +259,33 @@ CORRUPTIONS = {
     "global_shape_of_strings": (_edit_meta, lambda e: e.update(global_shape="big"), "global_shape"),
     "no_consumed_samples": (_edit_common, lambda c: c.pop("consumed_samples"), "consumed_samples"),
     "consumed_samples_string": (
-        _edit_common, lambda c: c.update(consumed_samples="32"), "consumed_samples"
+        _edit_common,
+        lambda c: c.update(consumed_samples="32"),
+        "consumed_samples",
     ),  # fmt: skip
     "consumed_past_the_end": (
-        _edit_common, lambda c: c.update(consumed_samples=10**12), "consumed_samples"
+        _edit_common,
+        lambda c: c.update(consumed_samples=10**12),
+        "consumed_samples",
     ),  # fmt: skip
     "negative_step": (_edit_common, lambda c: c.update(step=-8), "step"),
     "rng_numpy_garbage": (_edit_common, lambda c: c["rng"].update(numpy=[1, 2, 3]), "rng.numpy"),
     "rng_numpy_key_too_big": (
-        _edit_common, lambda c: c["rng"]["numpy"][1].__setitem__(0, 2**40), "rng.numpy"
+        _edit_common,
+        lambda c: c["rng"]["numpy"][1].__setitem__(0, 2**40),
+        "rng.numpy",
     ),  # fmt: skip
     "rng_python_garbage": (_edit_common, lambda c: c["rng"].update(python="x"), "rng.python"),
     "rng_mindspore_garbage": (
-        _edit_common, lambda c: c["rng"].update(mindspore=["a"]), "rng.mindspore"
+        _edit_common,
+        lambda c: c["rng"].update(mindspore=["a"]),
+        "rng.mindspore",
     ),  # fmt: skip
     "rng_not_an_object": (_edit_common, lambda c: c.update(rng=[1]), "rng"),
     "loss_scale_garbage": (
-        _edit_common, lambda c: c.update(loss_scale={"scale": -1}), "loss_scale"
+        _edit_common,
+        lambda c: c.update(loss_scale={"scale": -1}),
+        "loss_scale",
     ),  # fmt: skip
     "adam_step_string": (_edit_common, lambda c: c.update(adam_step="x"), "adam_step"),
 }
@@ -443,7 +458,9 @@ def test_row_failed_step_exits_1_in_one_line(prepared, tmp_path):
     proc = _train_cli(tmp_path, base_config(prepared, run), fault="step_error@3")
     assert proc.returncode == 1
     last = _one_error_line(proc)
-    assert last == "error: step 3 failed in MindSpore: MINDLOOM_FAULT: step_error injected at step 3"
+    assert (
+        last == "error: step 3 failed in MindSpore: MINDLOOM_FAULT: step_error injected at step 3"
+    )
     end = events(run, "end")[-1]
     assert end["exit_code"] == 1 and end["reason"] == last[len("error: ") :]
 

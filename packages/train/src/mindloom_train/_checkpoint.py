@@ -424,9 +424,7 @@ class Checkpoint:
                 raise CheckpointError(f"{where}: tensor {name!r} entry is not an object")
             chunks = entry.get("chunks") or [{"file": entry.get("file")}]
             if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
-                raise CheckpointError(
-                    f"{where}: tensor {name!r}: chunks is not a list of objects"
-                )
+                raise CheckpointError(f"{where}: tensor {name!r}: chunks is not a list of objects")
             for chunk in chunks:
                 fname = chunk.get("file")
                 if not isinstance(fname, str):
@@ -508,17 +506,11 @@ class Checkpoint:
 
 
 def _is_int(v: Any, lo: int = 0, hi: int | None = None) -> bool:
-    return (
-        isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v < hi)
-    )
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v < hi)
 
 
 def _is_dims(v: Any, ndim: int | None = None) -> bool:
-    return (
-        isinstance(v, list)
-        and all(_is_int(d) for d in v)
-        and (ndim is None or len(v) == ndim)
-    )
+    return isinstance(v, list) and all(_is_int(d) for d in v) and (ndim is None or len(v) == ndim)
 
 
 def _check_tensor_table(tensors: dict, headers: dict[str, dict], where: str) -> None:

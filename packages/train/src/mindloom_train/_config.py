@@ -371,9 +371,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"config key {prefix or '<top>'}: expected a mapping, got {show(data)}"
-        )
+        raise ConfigError(f"config key {prefix or '<top>'}: expected a mapping, got {show(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -550,7 +548,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         value = _safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         problem = show(getattr(exc, "problem", None) or "invalid YAML")[1:-1]
-        raise ConfigError(f"--set {show(key)[1:-1]}: cannot parse value {show(raw)} ({problem})") from None
+        raise ConfigError(
+            f"--set {show(key)[1:-1]}: cannot parse value {show(raw)} ({problem})"
+        ) from None
     return path, value
 
 

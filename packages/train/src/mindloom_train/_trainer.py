@@ -713,9 +713,7 @@ class Trainer:
         )
         self._build_model(tok.vocab_size)
         # every token id against the model's vocabulary, before step 1 (exit 2 if not)
-        _data.check_token_ids(
-            train_prefixes + (eval_prefixes or []), self.mcfg.vocab_size
-        )
+        _data.check_token_ids(train_prefixes + (eval_prefixes or []), self.mcfg.vocab_size)
         if cfg.precision.compute_dtype != "fp32" and cfg.context.device_target == "CPU":
             self.log(
                 f"precision: the CPU backend has no {cfg.precision.compute_dtype} MatMul; computing in fp32"
