@@ -183,7 +183,9 @@ def test_language_keep_list_keeps_chinese_english_and_mixed(tmp_path):
     assert lang["examples"]["language_de"][0]["text"].startswith("Flüsse")
     gone = [json.loads(x) for x in (out / "removed" / "language").rglob("*.jsonl")
             for x in x.read_text().splitlines()]  # fmt: skip
-    assert [g["metadata"]["url"] for g in gone] == [ARTICLES[3][0]] and gone[0]["metadata"]["language"] == "de"
+    assert [g["metadata"]["url"] for g in gone] == [ARTICLES[3][0]] and gone[0]["metadata"][
+        "language"
+    ] == "de"
     # every page's extracted body made it through, and no menu
     by_url = {json.loads(r["metadata"])["url"]: r["text"] for r in rows}
     for url, _, body in ARTICLES[:3]:

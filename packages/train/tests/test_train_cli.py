@@ -124,7 +124,7 @@ def test_launch_refuses_a_layout_that_does_not_fit(prepared, tmp_path, capsys):
     )
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert main(["launch", "--nproc", "3", str(path)]) == 1
+    assert main(["launch", "--nproc", "3", str(path)]) == 2  # a config error
     err = capsys.readouterr().err
     assert "world size 3" in err and err.count("\n") == 1
     assert not (tmp_path / "bad" / "msrun_logs").exists()

@@ -225,7 +225,7 @@ def test_launch_refuses_a_layout_the_model_does_not_fit(prepared, tmp_path, caps
     cfg = base_config(prepared, tmp_path / "bad", parallelism={"tp": 2})
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    assert main(["launch", "--nproc", "2", str(path)]) == 1
+    assert main(["launch", "--nproc", "2", str(path)]) == 2  # a config error
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         "error: config parallelism: model.vocab_size = 65 is not divisible by parallelism.tp = 2"

@@ -11,7 +11,6 @@ from mindloom_data._pipeline import CleanError, clean
 from mindloom_data._ranked_tokenize import tokenize_ranks
 from mindloom_data._readers import Document, iter_documents
 from mindloom_data._safe_yaml import load_yaml as safe_load_yaml
-from mindloom_data._tokenize import tokenize
 from mindloom_data._tokenize import read_dataset_metadata, tokenize
 
 __all__ = [

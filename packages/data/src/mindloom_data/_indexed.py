@@ -116,6 +116,8 @@ class IndexedDataset:
         if code not in DTYPE_CODES:
             self._fail(path, f"unknown dtype code: expected one of 1-8, got {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind not in "iu":  # Megatron's format allows floats; token ids never are
+            self._fail(path, f"dtype code {code} ({self.dtype}) is not an integer token type")
         s, d = struct.unpack("<QQ", header[18:34])
         text_size = HEADER_SIZE + 12 * s + 8 * d
         if size not in (text_size, text_size + s):  # + S int8 modes for multimodal data

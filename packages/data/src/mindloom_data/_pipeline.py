@@ -61,7 +61,6 @@ from mindloom_data._web import (
     WebSteps,
     check_web_config,
     metadata_fields,
-    metadata_value,
 )
 from mindloom_data._writers import (
     SCHEMA,

@@ -703,7 +703,8 @@ class Llama(nn.Cell):
         if not cfg.tie_embeddings:
             self.lm_head = Linear(d, v, _normal(rng, (v, d), head_std), param_dtype, compute_dtype)
         self.inv_freq = Tensor(rope_inv_freq(cfg.head_dim, cfg.rope_theta))  # [Dh/2] constant
-        self.causal = Tensor(np.tril(np.ones((cfg.max_seq_len, cfg.max_seq_len), np.bool_)))
+        # no [S_max, S_max] causal buffer here: at max_seq_len 100000 it alone was 9.3 GiB,
+        # allocated before any check; construct builds the [S, S] mask of the actual length
         self.positions = Tensor(np.arange(cfg.max_seq_len, dtype=np.int32)[None])  # [1, S_max]
         self.head_matmul = ops.MatMul(transpose_b=True)
         for i in recompute_layer_ids(cfg):
@@ -714,7 +715,9 @@ class Llama(nn.Cell):
         if position_ids is None:
             position_ids = self.positions[:, :s]  # [1, S]
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
-        bias = attention_bias(s, segment_ids, self.causal[:s, :s])  # [B|1, 1, S, S]
+        pos = self.positions[0, :s]
+        causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
+        bias = attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
         x = self.embed(tokens)  # [B, S, D]
         if self.embed_dropout is not None:
             x = self.embed_dropout(x)

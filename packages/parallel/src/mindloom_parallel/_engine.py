@@ -39,7 +39,7 @@ class _Stage(nn.Cell):
         m = self.model
         s = position_ids.shape[1]
         cos, sin = rope_cos_sin(position_ids, m.inv_freq)
-        bias = attention_bias(s, segment_ids, m.causal[:s, :s])
+        bias = attention_bias(s, segment_ids)
         if self.first:
             x = m.embed(x)
             if m.embed_dropout is not None:

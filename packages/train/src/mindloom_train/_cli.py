@@ -18,6 +18,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text[:200]!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="run config (YAML)")
     p.add_argument(
@@ -40,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="train on N processes under msrun")
     _add_config_args(p)
-    p.add_argument("--nproc", type=int, required=True, help="workers on this node")
+    p.add_argument("--nproc", type=_positive_int, required=True, help="workers on this node")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--master-addr", default="127.0.0.1")
@@ -53,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="a step directory or a save path")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -82,7 +92,7 @@ def _train(args) -> int:
     from mindloom_train._trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    return train(cfg)
+    return train(cfg)  # the run's own error path: _errors.classify, one table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,18 +103,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("GLOG_v", "3")
     from mindloom_train._commands import CommandError, dispatch
-    from mindloom_train._config import ConfigError
 
     try:
         if args.command == "train":
             return _train(args)
         return dispatch(args)
-    except (ConfigError, CommandError) as exc:
+    except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # the exit-code table of _errors; anything else is a bug
+        from mindloom_train._errors import classify
+
+        known = classify(exc)
+        if known is None:
+            raise
+        print(f"error: {known[1]}", file=sys.stderr)
+        return known[0]
 
 
 if __name__ == "__main__":

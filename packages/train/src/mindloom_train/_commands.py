@@ -332,6 +332,8 @@ def _launch_locked(args, cfg, lock) -> int:
         launch,
     )
 
+    from mindloom_train._config import ConfigError
+
     p = cfg.parallelism
     pcfg = ParallelConfig(dp=p.dp, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
                           micro_batch_num=p.micro_batch_num, zero_stage=p.zero_stage)  # fmt: skip
@@ -339,9 +341,10 @@ def _launch_locked(args, cfg, lock) -> int:
     try:
         from mindloom_parallel import validate
 
-        validate(pcfg, None, world, cfg.training.global_batch_size, cfg.training.micro_batch_size)
-    except ParallelConfigError as exc:
-        raise CommandError(f"config parallelism: {exc}") from None
+        validate(pcfg, _model_before_tokenizer(cfg), world, cfg.training.global_batch_size,
+                 cfg.training.micro_batch_size, cfg.train_dataset.seq_length)  # fmt: skip
+    except ParallelConfigError as exc:  # a config error (exit 2), before any heavy work
+        raise ConfigError(f"config parallelism: {exc}") from None
     # tokenizer and datasets are prepared once here, never raced by the workers
     from mindloom_train import _data
 
@@ -358,7 +361,7 @@ def _launch_locked(args, cfg, lock) -> int:
                          cfg.training.global_batch_size, cfg.training.micro_batch_size,
                          cfg.train_dataset.seq_length)  # fmt: skip
             except ParallelConfigError as exc:
-                raise CommandError(f"config parallelism: {exc}") from None
+                raise ConfigError(f"config parallelism: {exc}") from None
         tok_path = _data.tokenizer_dir(cfg)
         _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok_path, log)
         if cfg.eval_dataset is not None:
@@ -389,6 +392,21 @@ def _launch_locked(args, cfg, lock) -> int:
         raise CommandError(f"config parallelism: {exc}") from None
     print(f"launch: {world} workers finished; per-rank logs in {log_dir}")
     return 0
+
+
+def _model_before_tokenizer(cfg) -> dict | None:
+    """The model's numbers the layout is checked against before a tokenizer is trained
+    (heads, layers, FFN); the vocabulary only when the config fixes it."""
+    if cfg.model.get("init_from_hf"):
+        return None
+    import dataclasses
+
+    from mindloom_train._modelcfg import build_model_config
+
+    mdict = dataclasses.asdict(build_model_config(cfg, None))
+    if cfg.model.get("vocab_size") is None:
+        mdict["vocab_size"] = None  # the tokenizer's: checked once it exists
+    return mdict
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,6 +25,29 @@ class ConfigError(ValueError):
     """A config problem, always one line naming the key and the value."""
 
 
+# Anything echoed from a config into a message is cut to this many characters: a hostile
+# or mistaken value (a megabyte string, a huge nested list) must not become the message.
+MAX_ECHO = 200
+
+
+def show(value: Any) -> str:
+    """repr(value) for an error message, at most MAX_ECHO characters (then an ellipsis)."""
+    text = reprlib_repr(value)
+    return text if len(text) <= MAX_ECHO else text[: MAX_ECHO - 1] + "\u2026"
+
+
+def reprlib_repr(value: Any) -> str:
+    # reprlib bounds the work as well as the text: a deeply shared structure (YAML
+    # aliases, if they ever got through) is never expanded in full just to be cut
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = MAX_ECHO
+    r.maxlist = r.maxdict = r.maxtuple = r.maxset = 32
+    r.maxlevel = 4
+    return r.repr(value)
+
+
 @dataclass
 class ContextConfig:
     device_target: Literal["CPU", "Ascend", "GPU"] = "CPU"
@@ -163,6 +186,10 @@ class CheckpointConfig:
     async_save: bool = False
     # Allow resuming with LR-schedule hyperparameters that differ from the checkpoint's
     override_schedule: bool = False
+    # Allow resuming with settings that change the data stream or the model (seed, data,
+    # tokenizer, optimizer, model section; see drift_settings) that differ from the
+    # checkpoint's; a global batch size change is always allowed (its own resume mode)
+    override_drift: bool = False
 
 
 @dataclass
@@ -226,6 +253,25 @@ class Config:
         blob = json.dumps(self.to_dict(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def drift_settings(self) -> dict[str, Any]:
+        """The settings a resume must not change silently, flat by dotted key: those that
+        change the training data stream (seed, data, tokenizer, sequence length, packing)
+        or the model and its optimizer. Not the global batch size (resuming with another
+        one is a supported mode), parallel layout, schedule (checked on its own), eval,
+        logging or checkpoint settings."""
+        d = self.to_dict()
+        out: dict[str, Any] = {"seed": self.seed}
+        for section in ("train_dataset", "tokenizer", "optimizer", "model"):
+            for key, val in (d[section] or {}).items():
+                out[f"{section}.{key}"] = val
+        out["precision.compute_dtype"] = self.precision.compute_dtype
+        return out
+
+
+def drift_hash(settings: dict[str, Any]) -> str:
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
 
 # ---------------------------------------------------------------------------------------
 # parsing
@@ -250,7 +296,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _bad(key: str, value: Any, want: str) -> ConfigError:
-    return ConfigError(f"config key {key}: expected {want}, got {value!r}")
+    return ConfigError(f"config key {key}: expected {want}, got {show(value)}")
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -267,6 +313,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as exc:
                 errors.append(exc)
+        if len(errors) == 1:  # `X | None`: X's own, more precise, message
+            raise errors[0]
         raise _bad(key, value, _type_name(tp))
     if origin is Literal:
         if value not in typing.get_args(tp):
@@ -290,16 +338,29 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _bad(key, value, "an integer")
+        if not -(2**63) <= value < 2**63:
+            raise _bad(key, value, "an integer that fits in 64 bits")
         return value
     if tp is float:
+        # Every number of every section passes here (the model section too): one place
+        # refuses inf and nan, which no setting means and which a checkpoint (JSON)
+        # could not even record.
         if isinstance(value, bool):
             raise _bad(key, value, "a number")
-        if isinstance(value, int | float):
+        if isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise _bad(key, value, "a finite number")
             return float(value)
+        if isinstance(value, float):
+            number = value
         # YAML 1.1 reads `1e-3` as a string; accept any plain number spelling
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return float(value)
-        raise _bad(key, value, "a number")
+        elif isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            number = float(value)
+        else:
+            raise _bad(key, value, "a number")
+        if not math.isfinite(number):
+            raise _bad(key, value, "a finite number")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise _bad(key, value, "a string")
@@ -311,12 +372,13 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config key {prefix or '<top>'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"config key {prefix or '<top>'}: expected a mapping, got {show(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            where = f"{prefix}.{key}" if prefix else str(key)
+            name = key if isinstance(key, str) and len(key) <= MAX_ECHO else show(key)
+            where = f"{prefix}.{name}" if prefix else str(name)
             raise ConfigError(
                 f"config key {where}: unknown key (known: {', '.join(sorted(names))})"
             )
@@ -333,7 +395,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def _check(cond: bool, key: str, value: Any, why: str) -> None:
     if not cond:
-        raise ConfigError(f"config key {key}: {why}, got {value!r}")
+        raise ConfigError(f"config key {key}: {why}, got {show(value)}")
 
 
 def _check_range(key: str, rng: list[float]) -> None:
@@ -375,8 +437,19 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
         ("lr_scheduler.warmup_iters", s.warmup_iters),
         ("context.device_id", cfg.context.device_id),
         ("seed", cfg.seed),
+        ("profiler.start_step", cfg.profiler.start_step),
     ]:
         _check(val >= 0, key, val, "must be >= 0")
+    if cfg.context.num_threads is not None:
+        _check(cfg.context.num_threads >= 1, "context.num_threads", cfg.context.num_threads,
+               "must be >= 1")  # fmt: skip
+    for key, opt in [
+        ("training.time_limit_s", t.time_limit_s),
+        ("monitor.peak_tflops", cfg.monitor.peak_tflops),
+    ]:
+        if opt is not None:
+            _check(opt > 0, key, opt, "must be > 0 (or null)")
+    _check(p.bucket_size_mb > 0, "parallelism.bucket_size_mb", p.bucket_size_mb, "must be > 0")
     _check(p.zero_stage in (0, 1), "parallelism.zero_stage", p.zero_stage, "must be 0 or 1")
     for key, val in [
         ("parallelism.comm_timeout_s", p.comm_timeout_s),
@@ -416,6 +489,8 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
     pr = cfg.precision
     _check(pr.initial_loss_scale >= 1, "precision.initial_loss_scale", pr.initial_loss_scale,
            "must be >= 1")  # fmt: skip
+    _check(0 < pr.min_loss_scale <= pr.initial_loss_scale, "precision.min_loss_scale",
+           pr.min_loss_scale, f"must be in (0, initial_loss_scale={pr.initial_loss_scale:g}]")  # fmt: skip
     for name, ds in [("train_dataset", cfg.train_dataset), ("eval_dataset", cfg.eval_dataset)]:
         if ds is None:
             continue
@@ -465,15 +540,18 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
+        raise ConfigError(f"--set {show(item)}: expected section.key=value")
     key, raw = item.split("=", 1)
     path = [k for k in key.strip().split(".")]
     if not all(path):
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
+        raise ConfigError(f"--set {show(item)}: expected section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {key}: cannot parse value {raw!r} ({exc.problem})") from None
+        problem = show(getattr(exc, "problem", None) or "invalid YAML")[1:-1]
+        raise ConfigError(
+            f"--set {show(key)[1:-1]}: cannot parse value {show(raw)} ({problem})"
+        ) from None
     return path, value
 
 
@@ -492,6 +570,32 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses every alias (`*name`) before expanding anything.
+
+    A few nested aliases expand to billions of nodes ("billion laughs"): 1.4 KB of YAML
+    took 34 s and 2.1 GB and made a 722 MB error message. Run configs are small and
+    flat; `--set` and separate configs replace what anchors would share.
+    """
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{show(event.anchor)[1:-1]}) are not supported in a "
+                "run config; write the value out", event.start_mark,
+            )  # fmt: skip
+        return super().compose_node(parent, index)
+
+
+def _safe_load(text: str) -> Any:
+    loader = _NoAliasLoader(text)  # what yaml.safe_load does, with this SafeLoader
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     try:
@@ -501,23 +605,25 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {p}: unreadable ({exc})") from None
     try:
-        data = yaml.safe_load(text)  # never yaml.load: a config must not run code
+        data = _safe_load(text)  # a SafeLoader: a config must not run code
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if len(problem) > MAX_ECHO:
+            problem = problem[: MAX_ECHO - 1] + "\u2026"
         raise ConfigError(f"config file {p}:{where}: invalid YAML ({problem})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: top level must be a mapping, got {data!r}")
+        raise ConfigError(f"config file {p}: top level must be a mapping, got {show(data)}")
     return data
 
 
 def from_dict(data: dict[str, Any], *, check_model: bool = True) -> Config:
     cfg = _build(Config, data, "")
     if not isinstance(cfg.model, dict):
-        raise ConfigError(f"config key model: expected a mapping, got {cfg.model!r}")
+        raise ConfigError(f"config key model: expected a mapping, got {show(cfg.model)}")
     return validate(cfg, check_model=check_model)
 
 

@@ -115,10 +115,53 @@ def prepare_dataset(cfg: Config, ds: DatasetConfig, name: str, tok_path: Path, l
     return [str(prefix)]
 
 
+# tokens per slice of the full-range scan: bounded memory whatever the dataset's size
+_SCAN_TOKENS = 1 << 24
+
+
+def check_token_ids(prefixes: list[str], vocab_size: int) -> None:
+    """Every token id of every dataset in [0, vocab_size), or DataInputError naming the
+    file, the id and the vocabulary: an id the embedding lacks otherwise crashes the step
+    that first meets it (hundreds of steps in, with a C++ stack). A full scan, not a
+    sample: one bad id is enough (cost measured in the README)."""
+    import numpy as np
+    from mindloom_data import IndexedDataset, IndexedDatasetError
+
+    from mindloom_train._errors import DataInputError
+
+    for prefix in prefixes:
+        try:
+            ds = IndexedDataset(prefix)
+        except IndexedDatasetError as exc:
+            raise DataInputError(str(exc)) from None
+        tokens = ds.tokens()
+        for start in range(0, len(tokens), _SCAN_TOKENS):
+            part = tokens[start : start + _SCAN_TOKENS]
+            hi, lo = part.max(), part.min()
+            if hi < vocab_size and lo >= 0:
+                continue
+            bad_at = int(np.flatnonzero((part >= vocab_size) | (part < 0))[0])
+            raise DataInputError(
+                f"{ds.bin_file}: token id {int(part[bad_at])} at token {start + bad_at} is "
+                f"outside the model's vocabulary of {vocab_size} ids (data tokenized with "
+                "another tokenizer?)"
+            )
+
+
 def build_dataset(
     cfg: Config, ds: DatasetConfig, prefixes: list[str], num_samples: int, name: str, tok
 ):
-    """A PackedDataset (or a blend) with at least `num_samples` samples."""
+    """A PackedDataset (or a blend) with at least `num_samples` samples; DataInputError
+    (one line naming the file) for a corrupt, empty or too small dataset or split."""
+    from mindloom_train._errors import DataInputError
+
+    try:
+        return _build_dataset(cfg, ds, prefixes, num_samples, name, tok)
+    except ValueError as exc:  # IndexedDatasetError and PackedDataset's input errors
+        raise DataInputError(f"{name} dataset: {exc}") from None
+
+
+def _build_dataset(cfg, ds, prefixes, num_samples, name, tok):
     from mindloom_data import BlendedDataset, PackedDataset
 
     eos = tok.eos_id if tok.eos_id >= 0 else None

@@ -21,6 +21,8 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
     MINDLOOM_FAULT="await_stop@3"          update 3 waits (up to 300 s) for a stop signal,
                                            after printing a marker line: a test signals the
                                            launcher then, at a known step
+    MINDLOOM_FAULT="step_error@5"          update 5 raises the plain RuntimeError a failing
+                                           MindSpore op raises (the "failed step" exit row)
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
 _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill", "sigint",
-               "await_stop"}  # fmt: skip
+               "await_stop", "step_error"}  # fmt: skip
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
 
@@ -97,6 +99,8 @@ class FaultInjector:
         await_stop (until `stopped()`)."""
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.step_fault("step_error", step):
+            raise RuntimeError(f"MINDLOOM_FAULT: step_error injected at step {step}")
         if self.step_fault("sigint", step):
             os.kill(os.getpid(), signal.SIGINT)
         if self.step_fault("await_stop", step):

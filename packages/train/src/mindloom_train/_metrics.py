@@ -84,8 +84,21 @@ class MetricsWriter:
             return
         record = {"time": time.time(), **record}
         line = json.dumps(_clean(record), allow_nan=False, separators=(", ", ": ")) + "\n"
-        self._f.write(line)  # one write per record (text mode buffers it whole)
-        self._f.flush()
+        data = line.encode("utf-8")
+        self._f.flush()  # nothing is buffered (every record goes through os.write)
+        fd = self._f.fileno()
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:  # ONE write() per record; a short one (a full disk) is undone, not left
+            n = os.write(fd, data)
+            if n != len(data):
+                why = f"{os.strerror(errno.ENOSPC)} (short write, {n} of {len(data)} bytes)"
+                raise OSError(errno.ENOSPC, why)
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, end)  # no partial last line
+            except OSError:
+                pass
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"event": name, **fields})

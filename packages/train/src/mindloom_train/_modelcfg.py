@@ -6,7 +6,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from mindloom_train._config import Config, ConfigError, _coerce
+from mindloom_train._config import MAX_ECHO, Config, ConfigError, _coerce, show
 
 # Owned by other sections so that one knob never has two places.
 _ELSEWHERE = {
@@ -32,13 +32,14 @@ def validate_section(model: dict[str, Any]) -> None:
             raise ConfigError(f"config key model.{key}: set it as {_ELSEWHERE[key]} instead")
         if key in _EXTRA:
             if value is not None and not isinstance(value, str):
-                raise ConfigError(f"config key model.{key}: expected a string, got {value!r}")
+                raise ConfigError(f"config key model.{key}: expected a string, got {show(value)}")
             continue
         if key == "vocab_size" and value is None:
             continue  # the tokenizer's
         if key not in hints:
             known = ", ".join(sorted(set(hints) - set(_ELSEWHERE) | _EXTRA))
-            raise ConfigError(f"config key model.{key}: unknown key (known: {known})")
+            name = key if isinstance(key, str) and len(key) <= MAX_ECHO else show(key)
+            raise ConfigError(f"config key model.{name}: unknown key (known: {known})")
         model[key] = _coerce(f"model.{key}", value, hints[key])
     preset = model.get("preset")
     if preset is None and "init_from_hf" not in model:

@@ -8,6 +8,7 @@ the anomaly guard (K consecutive skipped updates), with a checkpoint of the last
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mindloom_train import _checkpoint as ck
-from mindloom_train._config import Config, ConfigError, dump_config
+from mindloom_train._config import Config, ConfigError, drift_hash, dump_config, show
 from mindloom_train._faults import FaultInjector
 from mindloom_train._metrics import MetricsWriter, RunLog, mem_rss_mb, peak_flops, progress_text
 from mindloom_train._schedule import lr_at, schedule_signature
@@ -115,7 +116,7 @@ class Trainer:
         try:
             groups = init_parallel(pcfg)
         except ParallelConfigError as exc:
-            raise TrainError(f"config parallelism: {exc}") from None
+            raise ConfigError(f"config parallelism: {exc}") from None
         if self.use_engine:
             import mindspore as ms
 
@@ -201,7 +202,7 @@ class Trainer:
                 validate(self.pcfg, mcfg, self.world, t.global_batch_size, t.micro_batch_size,
                          self.cfg.train_dataset.seq_length)  # fmt: skip
             except ParallelConfigError as exc:
-                raise TrainError(f"config parallelism: {exc}") from None
+                raise ConfigError(f"config parallelism: {exc}") from None
 
     def _build_steps(self) -> None:
         import mindspore as ms
@@ -288,6 +289,7 @@ class Trainer:
         from mindloom_train._modelcfg import model_shape
 
         cfg = self.cfg
+        settings = cfg.drift_settings()
         return {
             "format": ck.FORMAT,
             "consumed_samples": self.consumed,
@@ -305,6 +307,7 @@ class Trainer:
             "optimizer": dataclasses.asdict(cfg.optimizer),
             "rng": _rng_state(),
             "data": {"consumed_samples": self.consumed},
+            "drift": {"hash": drift_hash(settings), "settings": settings},
             "model_config": dataclasses.asdict(self.mcfg),
             "model_shape": model_shape(self.mcfg),
             "tokenizer": str(self.tok_path.resolve()) if self.tok_path else None,
@@ -447,6 +450,7 @@ class Trainer:
         if ckpt is not None:
             common = ckpt.common
             where = str(ckpt.path)
+            self._check_drift(common, where)
             if common.get("model_shape") != model_shape(self.mcfg):
                 raise TrainError(
                     f"{where}: model shape {common.get('model_shape')} differs from the config's "
@@ -524,6 +528,34 @@ class Trainer:
                 "and LR schedule (continued pretraining)"
             )
 
+    def _check_drift(self, common: dict[str, Any], where: str) -> None:
+        """Refuse (exit 2) a resume whose config changes the data stream or the model,
+        naming every key that differs, unless checkpoint.override_drift is set."""
+        rec = common.get("drift")
+        if not isinstance(rec, dict) or not isinstance(rec.get("settings"), dict):
+            self.log(f"checkpoint: {where} records no config-drift settings (older format); "
+                     "not checked")  # fmt: skip
+            return
+        now = self.cfg.drift_settings()
+        if rec.get("hash") == drift_hash(now):
+            return
+        old = rec["settings"]
+        # through JSON, as the checkpoint stored them (tuples become lists)
+        now = json.loads(json.dumps(now, default=str))
+        diff = sorted(k for k in {*old, *now} if old.get(k) != now.get(k))
+        if not diff:
+            return
+        changes = "; ".join(f"{k}: {show(old.get(k))} -> {show(now.get(k))}" for k in diff)
+        if self.cfg.checkpoint.override_drift:
+            self.log(f"checkpoint: resuming with changed settings (override_drift): {changes}")
+            return
+        if len(changes) > 600:
+            changes = changes[:599] + "\u2026"
+        raise ConfigError(
+            f"{where}: resume would change {', '.join(diff)} ({changes}); set "
+            "checkpoint.override_drift=true to accept"
+        )
+
     # ------------------------------------------------------------------ signals
 
     def _on_signal(self, signum, _frame) -> None:
@@ -600,43 +632,67 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
+        """The run with its one error path: every expected failure (the table in
+        _errors.classify) is one `error: ...` line and the same reason in the `end`
+        event; anything else is a bug and keeps its traceback (its `end` event too)."""
+        from mindloom_train._errors import classify
+
         try:
             self._setup_context()
             self._init_dist()
-        except TrainError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        try:
             self._setup_dirs()
-        except OSError as exc:  # e.g. metrics.jsonl is a symlink (never followed)
-            print(f"error: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+        except Exception as exc:
+            known = classify(exc)
+            if known is None:
+                raise
+            print(f"error: {known[1]}", file=sys.stderr)
+            return known[0]
         status, reason, code = "failed", "", EXIT_FAILED
         self.step = 0
         try:
             code, status, reason = self._run()
-        except (TrainError, ck.CheckpointError, ConfigError) as exc:
-            reason = str(exc)
-            self.log(f"error: {reason}")
-        except KeyboardInterrupt:
-            reason = "interrupted twice"
-            self.log("error: interrupted")
         except RuntimeError as exc:
-            if self.world <= 1:
+            if type(exc) is not RuntimeError and classify(exc) is not None:
+                code, reason = classify(exc)
+            elif self.world <= 1:
+                # a step MindSpore failed (an op error, a bad input it caught): one line,
+                # not a page of C++ stack
+                code = EXIT_FAILED
+                reason = f"step {self.step + 1} failed in MindSpore: {_first_line(exc)}"
+            else:
+                # MindSpore fails a collective whose peer stopped answering (missed
+                # heartbeats, MS_NODE_TIMEOUT): one line, not a page of C++ stack
+                reason = (
+                    f"rank {self.rank}: step {self.step + 1} failed in MindSpore ({_first_line(exc)}); "
+                    f"another rank is probably gone: see every rank's log"
+                )
+                code = EXIT_HANG
+            self._log_error(reason)
+        except BaseException as exc:
+            known = classify(exc)
+            if known is None:
+                reason = f"internal error: {type(exc).__name__}: {_first_line(exc)}"
                 raise
-            # MindSpore fails a collective whose peer stopped answering (missed heartbeats,
-            # MS_NODE_TIMEOUT): one line, not a page of C++ stack
-            reason = (
-                f"rank {self.rank}: step {self.step + 1} failed in MindSpore ({_first_line(exc)}); "
-                f"another rank is probably gone: see every rank's log"
-            )
-            code = EXIT_HANG
-            self.log(f"error: {reason}")
+            code, reason = known
+            self._log_error(reason)
         finally:
-            self.metrics.event("end", step=self.step, status=status, reason=reason, exit_code=code)
-            self.metrics.close()
+            try:  # best effort: the failure may be the metrics file itself (ENOSPC)
+                self.metrics.event("end", step=self.step, status=status, reason=reason,
+                                   exit_code=code)  # fmt: skip
+            except OSError:
+                pass
+            try:
+                self.metrics.close()
+            except OSError:
+                pass
             self.log.close()
         return code
+
+    def _log_error(self, reason: str) -> None:
+        try:
+            self.log(f"error: {reason}")
+        except OSError:  # train.log itself failed (ENOSPC): the console still gets it
+            print(f"error: {reason}", file=sys.stderr)
 
     def _run(self) -> tuple[int, str, str]:
         from mindloom_train import _data
@@ -665,6 +721,8 @@ class Trainer:
         same = "; the held-out data's match" if eval_prefixes else ""
         self.log(f"data: {_data.describe_contract(self.data_contract)}{same}")
         self._build_model(tok.vocab_size)
+        # every token id against the model's vocabulary, before step 1 (exit 2 if not)
+        _data.check_token_ids(train_prefixes + (eval_prefixes or []), self.mcfg.vocab_size)
         if cfg.precision.compute_dtype != "fp32" and cfg.context.device_target == "CPU":
             self.log(
                 f"precision: the CPU backend has no {cfg.precision.compute_dtype} MatMul; computing in fp32"
