@@ -17,7 +17,8 @@ English poems (public domain) are typed in below.
 
     python benchmarks/filters_build_set.py [--root DIR] [--out FILE]
 
-Record: {"id", "label": "keep"|"drop", "lang": "zh"|"en"|"code"|"mixed", "kind",
+Good documents have at least 60 words (a CJK character counts as one); shorter pieces
+are fragments, which the bad side has. Record: {"id", "label": "keep"|"drop", "lang": "zh"|"en"|"code"|"mixed", "kind",
 "reason" (one line), "source", "license", "text"}.
 """
 
@@ -49,6 +50,11 @@ def lang_of(text: str) -> str:
     if w > 0.25 * c:
         return "mixed"
     return "zh"
+
+
+def size(text: str) -> int:
+    """Words, with each CJK character counted as one."""
+    return len(_CJK.findall(text)) + len(_CJK.sub(" ", text).split())
 
 
 def sections(path: Path) -> list[tuple[str, str]]:
@@ -642,6 +648,9 @@ def build(root: Path, seed: int = 19) -> list[dict]:
     good += stdlib_code(rng, 45)
     good += c_headers(10)
     good += pd_poems()
+    # A document, not a fragment: at least 60 words (a CJK character counts as one).
+    # Shorter pieces belong on the bad side ("fragment"), as in Gopher's length rule.
+    good = [d for d in good if size(d["text"]) >= 60]
     for d in good:
         d["label"] = "keep"
         if "lang" not in d:
@@ -702,8 +711,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default="/tmp/filters_src/root", help="folder the .deb files were unpacked into")
     p.add_argument("--out", default="packages/data/tests/data/filter_eval.jsonl")
+    p.add_argument("--seed", type=int, default=19, help="another seed: another sample")
     args = p.parse_args(argv)
-    docs = build(Path(args.root))
+    docs = build(Path(args.root), args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for d in docs:

@@ -50,7 +50,7 @@ from mindloom_data._dedup import (
 from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._filters import TextInfo, build_filters
 from mindloom_data._minhash import MinHasher
-from mindloom_data._normalize import Normalizer
+from mindloom_data._normalize import Normalizer, check_normalize_config
 from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
 from mindloom_data._writers import (
@@ -73,6 +73,7 @@ DEFAULTS: dict = {
     "normalize": {
         "enabled": True,
         "nfkc": True,
+        "keep_cjk_punctuation": True,
         "ansi": True,
         "control": True,
         "whitespace": True,
@@ -131,6 +132,7 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
     cfg = copy.deepcopy(DEFAULTS)
     _overlay(cfg, user, "")
     try:
+        check_normalize_config(cfg["normalize"])
         build_filters(cfg["filters"])
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
