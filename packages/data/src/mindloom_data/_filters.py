@@ -409,7 +409,7 @@ class RepetitionFilter(Filter):
       units are CJK characters the n-grams span up to twice as many units (n * (1 + the
       share of units that are CJK characters)); reasons keep Gopher's names (`dup_5gram`).
     - Verse (at least 4 lines of even length, each at most `verse_max_line` characters,
-      few digits) and source code skip the n-gram rules: a refrain ("采采芣苢，薄言采之")
+      few digits; see `_is_verse`) and source code skip the n-gram rules: a refrain ("采采芣苢，薄言采之")
       is the most repeated n-gram of its poem by design, and `raise NotImplementedError`
       may be that of an abstract class. Their duplicate lines and paragraphs are still
       counted (code: the counts only, not the characters).
@@ -597,16 +597,21 @@ def _width(line: str) -> int:
 
 def _is_verse(text: str, max_line: int) -> bool:
     """Lines of verse: at least 4, none longer than `max_line` characters, of even length
-    (coefficient of variation at most 0.4), and at most one in five with a digit (a year
-    in an author line)."""
+    (coefficient of variation at most 0.4, or 70% of them within 40% of the median: a
+    title or author line may differ), and at most one in five with a digit (a year in an
+    author line)."""
     if text.count("\n") < 3:
         return False
     lines = [x for x in text.split("\n") if x.strip()]
     if len(lines) < 4:
         return False
     lens = np.fromiter(map(len, lines), np.float64, len(lines))
-    if lens.max() > max_line or lens.std() > 0.4 * lens.mean():
+    if lens.max() > max_line:
         return False
+    if lens.std() > 0.4 * lens.mean():
+        med = np.median(lens)
+        if np.count_nonzero(np.abs(lens - med) <= 0.4 * med) < 0.7 * len(lines):
+            return False
     return sum(1 for x in lines if _DIGIT.search(x)) <= 0.2 * len(lines)
 
 
