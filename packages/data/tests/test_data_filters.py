@@ -174,7 +174,7 @@ def test_cjk_characters_and_latin_words_are_counted_apart_and_commands_do_not_de
     dump = "表 1\n" + "\n".join(" | ".join(str(i * j) for j in range(8)) for i in range(30))
     assert _check(f, dump) == "few_alpha_units"
     # prompts, pipes and redirections are symbols, not words without letters
-    en = _prose(60) + "\n" + " ".join(["$", "|", "&&", ">", "2>&1", "--"] * 10)
+    en = _prose(60) + " " + " ".join(["$", "|", "&&", ">", "2>&1", "--"] * 10)
     assert _check(f, en) is None
     assert _check(f, "$ | && > -- " * 30) == "few_alpha_units"
 
@@ -278,6 +278,8 @@ def test_long_words_catch_blobs_but_not_urls_paths_or_identifiers():
         for i in range(10)
     )
     assert _check(f, _prose(60) + " " + names) is None
+    constants = "\n".join(f"SSL_ERROR_WANT_X509_LOOKUP_{i} -- see os.path.expanduser" for i in range(40))
+    assert _check(f, _prose(30) + "\n" + constants) is None
 
 
 def test_mojibake_of_chinese_and_repeated_mangled_apostrophes():
