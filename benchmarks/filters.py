@@ -138,8 +138,10 @@ def main(argv=None) -> int:
     results = {name: score(docs, fn) for name, fn in systems.items()}
 
     counts = results["mindloom defaults"]
-    print(f"{len(docs)} documents; per language good/bad: "
-          + ", ".join(f"{lang} {counts[lang]['good']}/{counts[lang]['bad']}" for lang in LANGS))
+    print(
+        f"{len(docs)} documents; per language good/bad: "
+        + ", ".join(f"{lang} {counts[lang]['good']}/{counts[lang]['bad']}" for lang in LANGS)
+    )
     print()
     print("good kept % / bad removed %, and precision / recall of 'drop' over all documents")
     print()
@@ -148,7 +150,11 @@ def main(argv=None) -> int:
     for name, by in results.items():
         a = by["all"]
         prec = _pct(a["tp"], a["tp"] + a["fp"])
-        print(f"| {name} | " + " | ".join(_cell(by[lang]) for lang in LANGS) + f" | {prec} | {_pct(a['tp'], a['bad'])} |")
+        print(
+            f"| {name} | "
+            + " | ".join(_cell(by[lang]) for lang in LANGS)
+            + f" | {prec} | {_pct(a['tp'], a['bad'])} |"
+        )
     print()
     print("precision / recall of 'drop' per language")
     print()

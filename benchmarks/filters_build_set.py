@@ -136,7 +136,8 @@ def stdlib_code(rng: random.Random, n: int) -> list[dict]:
         nodes = [
             x
             for x in tree.body
-            if isinstance(x, ast.FunctionDef | ast.ClassDef) and 15 <= x.end_lineno - x.lineno <= 120
+            if isinstance(x, ast.FunctionDef | ast.ClassDef)
+            and 15 <= x.end_lineno - x.lineno <= 120
         ]
         if not nodes:
             continue
@@ -201,7 +202,18 @@ def docstrings(rng: random.Random, n: int) -> list[dict]:
 
 def licences(n: int) -> list[dict]:
     out = []
-    for name in ["Apache-2.0", "Artistic", "BSD", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-2.0", "CC0-1.0", "GFDL-1.3", "LGPL-3"]:
+    for name in [
+        "Apache-2.0",
+        "Artistic",
+        "BSD",
+        "GPL-2",
+        "GPL-3",
+        "LGPL-2.1",
+        "MPL-2.0",
+        "CC0-1.0",
+        "GFDL-1.3",
+        "LGPL-3",
+    ]:
         path = Path("/usr/share/common-licenses") / name
         if not path.exists():
             continue
@@ -456,7 +468,15 @@ ZH_BOILER = [
     "分享到：微信 微博 QQ空间 豆瓣",
     "登录 | 注册 | 忘记密码",
 ]
-COMPANIES = ["Acme Corp", "Globex Ltd", "Initech", "Umbrella Inc", "华信科技有限公司", "鼎盛集团", "北方网络"]
+COMPANIES = [
+    "Acme Corp",
+    "Globex Ltd",
+    "Initech",
+    "Umbrella Inc",
+    "华信科技有限公司",
+    "鼎盛集团",
+    "北方网络",
+]
 NAMES = ["王伟", "李娜", "张敏", "刘洋"]
 
 EN_SPAM_KEYS = [
@@ -471,7 +491,20 @@ EN_SPAM_KEYS = [
     "seo services",
     "essay writing service",
 ]
-ZH_SPAM_KEYS = ["代开发票", "增值税发票", "办证", "刻章", "网络赌博", "时时彩", "六合彩", "贷款秒批", "减肥药", "代孕", "网站优化", "快速排名"]
+ZH_SPAM_KEYS = [
+    "代开发票",
+    "增值税发票",
+    "办证",
+    "刻章",
+    "网络赌博",
+    "时时彩",
+    "六合彩",
+    "贷款秒批",
+    "减肥药",
+    "代孕",
+    "网站优化",
+    "快速排名",
+]
 
 
 def _en_boiler(rng):
@@ -517,7 +550,13 @@ def _en_spam(rng):
     for _ in range(rng.randint(6, 14)):
         t = rng.choice(templates)
         out.append(
-            t.format(k=keys[0], k2=keys[1], k3=keys[2], d=keys[0].replace(" ", ""), n=rng.randint(1000000, 9999999))
+            t.format(
+                k=keys[0],
+                k2=keys[1],
+                k3=keys[2],
+                d=keys[0].replace(" ", ""),
+                n=rng.randint(1000000, 9999999),
+            )
         )
     return " ".join(out)
 
@@ -534,7 +573,15 @@ def _zh_spam(rng):
     out = []
     for _ in range(rng.randint(8, 16)):
         t = rng.choice(templates)
-        out.append(t.format(k=keys[0], k2=keys[1], k3=keys[2], n=rng.randint(3000000000, 3999999999), q=rng.randint(10000000, 999999999)))
+        out.append(
+            t.format(
+                k=keys[0],
+                k2=keys[1],
+                k3=keys[2],
+                n=rng.randint(3000000000, 3999999999),
+                q=rng.randint(10000000, 999999999),
+            )
+        )
     return "".join(out) if rng.random() < 0.5 else "\n".join(out)
 
 
@@ -565,7 +612,9 @@ def _mojibake(rng, good_text):
     if how == "cp1252":
         return t.encode("utf-8").decode("cp1252", errors="replace"), "UTF-8 read as cp1252"
     if how == "gbk":
-        return t.encode("utf-8").decode("gbk", errors="replace"), "UTF-8 read as GBK (replacement characters)"
+        return t.encode("utf-8").decode(
+            "gbk", errors="replace"
+        ), "UTF-8 read as GBK (replacement characters)"
     chars = list(t)
     for i in rng.sample(range(len(chars)), len(chars) // 6):
         chars[i] = "\ufffd"
@@ -575,12 +624,19 @@ def _mojibake(rng, good_text):
 def _symbols(rng):
     kind = rng.choice(["numbers", "hashes", "ellipsis", "table"])
     if kind == "numbers":
-        rows = [" ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(6, 12))) for _ in range(rng.randint(10, 30))]
+        rows = [
+            " ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(6, 12)))
+            for _ in range(rng.randint(10, 30))
+        ]
         return "\n".join(rows), "numbers only (a data dump)"
     if kind == "hashes":
-        return "\n".join("#" * rng.randint(1, 4) + " " + rng.choice(EN_NAV) for _ in range(40)), "hash-tag and heading junk"
+        return "\n".join(
+            "#" * rng.randint(1, 4) + " " + rng.choice(EN_NAV) for _ in range(40)
+        ), "hash-tag and heading junk"
     if kind == "ellipsis":
-        return " ".join(rng.choice(EN_NAV) + "..." for _ in range(60)), "truncated teasers ending in ellipses"
+        return " ".join(
+            rng.choice(EN_NAV) + "..." for _ in range(60)
+        ), "truncated teasers ending in ellipses"
     cells = ["|".join(f"{rng.randint(0, 999):>5}" for _ in range(8)) for _ in range(30)]
     return "\n".join(cells), "table of numbers with no text"
 
@@ -599,7 +655,9 @@ def _junk_code(rng):
             for i in range(rng.randint(30, 80))
         ]
         return "\n".join(rows), "hex dump"
-    line = rng.choice(["$('#btn').click(function(){return false;});", "x = x + 1", "<div class=\"ad\"></div>", "}"])
+    line = rng.choice(
+        ["$('#btn').click(function(){return false;});", "x = x + 1", '<div class="ad"></div>', "}"]
+    )
     return "\n".join([line] * rng.randint(30, 80)), "one generated line repeated"
 
 
@@ -611,7 +669,9 @@ def build(root: Path, seed: int = 19) -> list[dict]:
     def add_sections(path, pkg, license, n, box_every=0, kind="tech_doc"):
         secs = sections(path)
         picks = rng.sample(secs, min(n, len(secs)))
-        for j, (num, text) in enumerate(sorted(picks, key=lambda s: [int(x) for x in s[0].split(".")])):
+        for j, (num, text) in enumerate(
+            sorted(picks, key=lambda s: [int(x) for x in s[0].split(".")])
+        ):
             has_table = "+---" in text
             note = ""
             if box_every and has_table and j % box_every == 0:
@@ -626,23 +686,70 @@ def build(root: Path, seed: int = 19) -> list[dict]:
                 }
             )
 
-    add_sections(share / "debian-reference/debian-reference.zh-cn.txt.gz", "debian-reference-zh-cn 2.100", "GPL-2+", 70, box_every=2)
-    add_sections(share / "debian-reference/debian-reference.en.txt.gz", "debian-reference-en 2.100", "GPL-2+", 45, box_every=2)
-    add_sections(share / "doc/maint-guide-zh-cn/maint-guide.zh-cn.txt.gz", "maint-guide-zh-cn 1.2.53", "GPL-2+", 15)
-    add_sections(share / "doc/debian/FAQ/debian-faq.zh-cn.txt.gz", "debian-faq-zh-cn 11.1", "GPL-2+", 15, kind="faq")
+    add_sections(
+        share / "debian-reference/debian-reference.zh-cn.txt.gz",
+        "debian-reference-zh-cn 2.100",
+        "GPL-2+",
+        70,
+        box_every=2,
+    )
+    add_sections(
+        share / "debian-reference/debian-reference.en.txt.gz",
+        "debian-reference-en 2.100",
+        "GPL-2+",
+        45,
+        box_every=2,
+    )
+    add_sections(
+        share / "doc/maint-guide-zh-cn/maint-guide.zh-cn.txt.gz",
+        "maint-guide-zh-cn 1.2.53",
+        "GPL-2+",
+        15,
+    )
+    add_sections(
+        share / "doc/debian/FAQ/debian-faq.zh-cn.txt.gz",
+        "debian-faq-zh-cn 11.1",
+        "GPL-2+",
+        15,
+        kind="faq",
+    )
 
     games = share / "games/fortunes"
     zh_prose = [e for e in fortunes(games / "chinese") if len(e) >= 150]
     for e in rng.sample(zh_prose, 30):
-        good.append({"kind": "prose", "reason": "Chinese prose (sayings, essays, Debian code of conduct)", "source": "debian:fortunes-zh 2.98 /usr/share/games/fortunes/chinese", "license": "GPL-3.0+", "text": e})
+        good.append(
+            {
+                "kind": "prose",
+                "reason": "Chinese prose (sayings, essays, Debian code of conduct)",
+                "source": "debian:fortunes-zh 2.98 /usr/share/games/fortunes/chinese",
+                "license": "GPL-3.0+",
+                "text": e,
+            }
+        )
     for name, per in (("tang300", 3), ("song100", 4)):
         poems = fortunes(games / name)
         starts = list(range(0, len(poems) - per, per))
         for s in rng.sample(starts, 20 if name == "tang300" else 10):
-            good.append({"kind": "classical_poetry", "reason": "classical Chinese poems (an anthology page)", "source": f"debian:fortunes-zh 2.98 /usr/share/games/fortunes/{name} entries {s}-{s + per - 1}", "license": "GPL-3.0+ (poems public domain)", "text": "\n\n".join(poems[s : s + per])})
+            good.append(
+                {
+                    "kind": "classical_poetry",
+                    "reason": "classical Chinese poems (an anthology page)",
+                    "source": f"debian:fortunes-zh 2.98 /usr/share/games/fortunes/{name} entries {s}-{s + per - 1}",
+                    "license": "GPL-3.0+ (poems public domain)",
+                    "text": "\n\n".join(poems[s : s + per]),
+                }
+            )
     lit = [e for e in fortunes(games / "literature") if len(e) >= 300]
     for e in rng.sample(lit, min(20, len(lit))):
-        good.append({"kind": "prose", "reason": "English literary prose quotation", "source": "debian:fortunes-min 1.99.1 /usr/share/games/fortunes/literature", "license": "BSD-4-Clause (fortune collection)", "text": e})
+        good.append(
+            {
+                "kind": "prose",
+                "reason": "English literary prose quotation",
+                "source": "debian:fortunes-min 1.99.1 /usr/share/games/fortunes/literature",
+                "license": "BSD-4-Clause (fortune collection)",
+                "text": e,
+            }
+        )
     good += licences(8)
     good += docstrings(rng, 20)
     good += stdlib_code(rng, 45)
@@ -659,27 +766,79 @@ def build(root: Path, seed: int = 19) -> list[dict]:
     bad: list[dict] = []
 
     def add_bad(text, lang, kind, reason):
-        bad.append({"label": "drop", "lang": lang, "kind": kind, "reason": reason, "source": f"crafted by benchmarks/filters_build_set.py (seed {seed})", "license": "CC0-1.0", "text": text})
+        bad.append(
+            {
+                "label": "drop",
+                "lang": lang,
+                "kind": kind,
+                "reason": reason,
+                "source": f"crafted by benchmarks/filters_build_set.py (seed {seed})",
+                "license": "CC0-1.0",
+                "text": text,
+            }
+        )
 
     zh_good = [d["text"] for d in good if d["lang"] == "zh"]
     en_good = [d["text"] for d in good if d["lang"] == "en" and d["kind"].startswith("tech")]
     mixed_good = [d["text"] for d in good if d["lang"] == "mixed"]
     for _ in range(12):
-        add_bad(_en_boiler(rng), "en", "boilerplate", "site boilerplate: cookie notice, footer, share links")
-        add_bad(_zh_boiler(rng), "zh", "boilerplate", "site boilerplate: copyright, ICP number, share links")
+        add_bad(
+            _en_boiler(rng),
+            "en",
+            "boilerplate",
+            "site boilerplate: cookie notice, footer, share links",
+        )
+        add_bad(
+            _zh_boiler(rng),
+            "zh",
+            "boilerplate",
+            "site boilerplate: copyright, ICP number, share links",
+        )
     for _ in range(10):
-        add_bad(_nav(rng, EN_NAV, rng.choice(["\n", " | ", " "])), "en", "navigation", "navigation menu")
-        add_bad(_nav(rng, ZH_NAV, rng.choice(["\n", " | ", " ", "  "])), "zh", "navigation", "navigation menu")
+        add_bad(
+            _nav(rng, EN_NAV, rng.choice(["\n", " | ", " "])), "en", "navigation", "navigation menu"
+        )
+        add_bad(
+            _nav(rng, ZH_NAV, rng.choice(["\n", " | ", " ", "  "])),
+            "zh",
+            "navigation",
+            "navigation menu",
+        )
     for _ in range(10):
         add_bad(_en_spam(rng), "en", "spam", "SEO spam")
         add_bad(_zh_spam(rng), "zh", "spam", "SEO spam with phone numbers")
     for _ in range(6):
-        add_bad(_stuffing(rng, rng.choice(en_good), "en"), "en", "keyword_stuffing", "keyword list pasted many times")
-        add_bad(_stuffing(rng, rng.choice(zh_good), "zh"), "zh", "keyword_stuffing", "keyword list pasted many times")
+        add_bad(
+            _stuffing(rng, rng.choice(en_good), "en"),
+            "en",
+            "keyword_stuffing",
+            "keyword list pasted many times",
+        )
+        add_bad(
+            _stuffing(rng, rng.choice(zh_good), "zh"),
+            "zh",
+            "keyword_stuffing",
+            "keyword list pasted many times",
+        )
     for _ in range(6):
-        add_bad(_repeated_lines(rng, rng.choice(en_good)), "en", "repeated_lines", "one line repeated many times")
-        add_bad(_repeated_lines(rng, rng.choice(zh_good)), "zh", "repeated_lines", "one line repeated many times")
-        add_bad(_repeated_lines(rng, rng.choice(mixed_good)), "mixed", "repeated_lines", "one line repeated many times")
+        add_bad(
+            _repeated_lines(rng, rng.choice(en_good)),
+            "en",
+            "repeated_lines",
+            "one line repeated many times",
+        )
+        add_bad(
+            _repeated_lines(rng, rng.choice(zh_good)),
+            "zh",
+            "repeated_lines",
+            "one line repeated many times",
+        )
+        add_bad(
+            _repeated_lines(rng, rng.choice(mixed_good)),
+            "mixed",
+            "repeated_lines",
+            "one line repeated many times",
+        )
     for _ in range(8):
         t, why = _mojibake(rng, rng.choice(zh_good))
         add_bad(t, "zh", "mojibake", f"mojibake: {why}")
@@ -695,21 +854,41 @@ def build(root: Path, seed: int = 19) -> list[dict]:
         t, why = _junk_code(rng)
         add_bad(t, "code", "junk_code", why)
     for _ in range(5):
-        add_bad(rng.choice(zh_good)[: rng.randint(8, 30)], "zh", "fragment", "a fragment too short to be a document")
-        add_bad(rng.choice(en_good)[: rng.randint(10, 60)], "en", "fragment", "a fragment too short to be a document")
+        add_bad(
+            rng.choice(zh_good)[: rng.randint(8, 30)],
+            "zh",
+            "fragment",
+            "a fragment too short to be a document",
+        )
+        add_bad(
+            rng.choice(en_good)[: rng.randint(10, 60)],
+            "en",
+            "fragment",
+            "a fragment too short to be a document",
+        )
     docs = good + bad
     counters: dict = {}
     out = []
     for d in docs:
         key = f"{d['label']}-{d['lang']}"
         counters[key] = counters.get(key, 0) + 1
-        out.append({"id": f"{key}-{counters[key]:03d}", **{k: d[k] for k in ("label", "lang", "kind", "reason", "source", "license", "text")}})
+        out.append(
+            {
+                "id": f"{key}-{counters[key]:03d}",
+                **{
+                    k: d[k]
+                    for k in ("label", "lang", "kind", "reason", "source", "license", "text")
+                },
+            }
+        )
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default="/tmp/filters_src/root", help="folder the .deb files were unpacked into")
+    p.add_argument(
+        "--root", default="/tmp/filters_src/root", help="folder the .deb files were unpacked into"
+    )
     p.add_argument("--out", default="packages/data/tests/data/filter_eval.jsonl")
     p.add_argument("--seed", type=int, default=19, help="another seed: another sample")
     args = p.parse_args(argv)

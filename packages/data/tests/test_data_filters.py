@@ -189,7 +189,9 @@ def test_hashtags_count_but_comments_and_preprocessor_lines_do_not():
 def test_repeated_chars_ignore_table_borders_and_rules_but_not_shouting():
     f = RepeatedCharsFilter()
     rows = [f"|{'name' + str(i):<12}|{'value ' * 5:<40}|" for i in range(10)]
-    ascii_table = "\n".join(["+" + "-" * 53 + "+"] + [r + "\n|" + "-" * 12 + "+" + "-" * 40 + "|" for r in rows])
+    ascii_table = "\n".join(
+        ["+" + "-" * 53 + "+"] + [r + "\n|" + "-" * 12 + "+" + "-" * 40 + "|" for r in rows]
+    )
     box = ascii_table.replace("-", "\u2500").replace("+", "\u253c").replace("|", "\u2502")
     head = "Title\n" + "=" * 40 + "\n" + _prose(30) + "\n"
     for table in (ascii_table, box):
@@ -208,7 +210,9 @@ def test_verse_with_a_refrain_passes_but_the_same_repetition_as_spam_does_not():
     assert _check(f, "《芣苢》\n\n" + _FUYI) is None
     # the same words as one unbroken block are not verse: the top n-gram decides
     assert _check(f, _FUYI.replace("\n", "") * 2).startswith("top_")
-    spam = "\n".join(f"代开发票联系电话13{i:09d}，代开发票微信同号，专业代开发票，刻章。" for i in range(8))
+    spam = "\n".join(
+        f"代开发票联系电话13{i:09d}，代开发票微信同号，专业代开发票，刻章。" for i in range(8)
+    )
     assert _check(f, spam) is not None
 
 
@@ -231,7 +235,10 @@ def test_short_structural_lines_and_code_may_repeat_but_not_one_line_throughout(
     )
     assert _check(f, code) is None
     assert _check(f, "\n".join(["x = x + 1"] * 40)) == "dup_line_fraction"
-    assert _check(f, "Intro line here\n" + "\n".join(["Transformation Format)。"] * 20)) == "dup_line_fraction"
+    assert (
+        _check(f, "Intro line here\n" + "\n".join(["Transformation Format)。"] * 20))
+        == "dup_line_fraction"
+    )
 
 
 def test_commands_and_table_rows_are_left_out_of_the_ngram_statistics():
@@ -258,7 +265,10 @@ def test_boilerplate_and_navigation_but_not_verse_code_or_tables():
     assert _check(f, footer) == "boilerplate"
     menu = "\n".join(["Home", "About Us", "Products", "Blog", "Careers", "Contact", "Support"] * 4)
     assert _check(f, menu) == "no_sentences"
-    assert _check(f, "首页 | 关于我们 | 新闻中心 | 产品展示\n联系我们 | 在线留言 | 人才招聘") == "no_sentences"
+    assert (
+        _check(f, "首页 | 关于我们 | 新闻中心 | 产品展示\n联系我们 | 在线留言 | 人才招聘")
+        == "no_sentences"
+    )
     assert _check(f, _FUYI) is None
     assert _check(f, "def f(x):\n    y = x + 1\n    return y\n\nclass A:\n    pass") is None
     table = "Table 1. Files\n" + "\n".join(f"| file{i} | size {i} |" for i in range(20))
@@ -278,7 +288,9 @@ def test_long_words_catch_blobs_but_not_urls_paths_or_identifiers():
         for i in range(10)
     )
     assert _check(f, _prose(60) + " " + names) is None
-    constants = "\n".join(f"SSL_ERROR_WANT_X509_LOOKUP_{i} -- see os.path.expanduser" for i in range(40))
+    constants = "\n".join(
+        f"SSL_ERROR_WANT_X509_LOOKUP_{i} -- see os.path.expanduser" for i in range(40)
+    )
     assert _check(f, _prose(30) + "\n" + constants) is None
 
 

@@ -68,7 +68,9 @@ def test_normalize_config_values_are_checked_with_one_line_naming_the_key():
         **load_config(None)["normalize"],
         "keep_cjk_punctuation": False,
     }
-    with pytest.raises(CleanError, match=r"^normalize\.keep_cjk_punctuation must be true or false, not 'yes'$"):
+    with pytest.raises(
+        CleanError, match=r"^normalize\.keep_cjk_punctuation must be true or false, not 'yes'$"
+    ):
         load_config({"normalize": {"keep_cjk_punctuation": "yes"}})
     with pytest.raises(ValueError, match="normalize.nfkc must be true or false"):
         Normalizer(nfkc="full")

@@ -36,7 +36,17 @@ _P64 = np.uint64(0x100000001B3)
 class TextInfo:
     """Per-document analysis shared by the filters (computed lazily, once)."""
 
-    __slots__ = ("text", "_units", "_ids", "_lengths", "cjk", "ascii", "_raw", "_cjk_units", "_code")
+    __slots__ = (
+        "text",
+        "_units",
+        "_ids",
+        "_lengths",
+        "cjk",
+        "ascii",
+        "_raw",
+        "_cjk_units",
+        "_code",
+    )
 
     def __init__(self, text: str):
         self.text = text
@@ -390,7 +400,9 @@ _BOILER = re.compile(
 )
 _TABLE_START = "|\u2502\u251c\u250c\u2514"
 # A line with any sentence or code punctuation (one match per such line).
-_SENTENCE_LINE = re.compile("^.*?[.,!?;:=(){}\\[\\]\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f\u2026].*$", re.MULTILINE)
+_SENTENCE_LINE = re.compile(
+    "^.*?[.,!?;:=(){}\\[\\]\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f\u2026].*$", re.MULTILINE
+)
 
 
 @dataclass
@@ -518,7 +530,9 @@ class RepetitionFilter(Filter):
                 return None
             most = max(map(mul, map(len, counts), counts.values()))
             top = [t for t in top if t[1] * most / total > t[2]]
-        dup = [t for t in dup_all if len(units) > t[1]] if len(units) >= self.min_ngram_units else []
+        dup = (
+            [t for t in dup_all if len(units) > t[1]] if len(units) >= self.min_ngram_units else []
+        )
         if dup and dup[0][1] > min(sizes) and not _repeats(units, dup[0][1]):
             dup = []
         if not top and not dup:

@@ -43,18 +43,31 @@ _BYTE_DELETE = bytes(c for c in range(128) if c in _TABLE and _TABLE[c] is None)
 
 
 # Full-width punctuation and symbols, and the ellipsis, that NFKC would turn into ASCII.
-_CJK_PUNCT = "".join(
-    chr(c)
-    for lo, hi in ((0xFF01, 0xFF0F), (0xFF1A, 0xFF20), (0xFF3B, 0xFF40), (0xFF5B, 0xFF60))
-    for c in range(lo, hi + 1)
-) + "\u2026"
+_CJK_PUNCT = (
+    "".join(
+        chr(c)
+        for lo, hi in ((0xFF01, 0xFF0F), (0xFF1A, 0xFF20), (0xFF3B, 0xFF40), (0xFF5B, 0xFF60))
+        for c in range(lo, hi + 1)
+    )
+    + "\u2026"
+)
 _HAS_CJK_PUNCT = re.compile(f"[{re.escape(_CJK_PUNCT)}]")
 # While NFKC runs, each becomes a private-use placeholder (NFKC leaves those alone).
 _PLACEHOLDER_BASE = 0xE000
 _PROTECT = {ord(c): _PLACEHOLDER_BASE + i for i, c in enumerate(_CJK_PUNCT)}
 _RESTORE = {v: k for k, v in _PROTECT.items()}
-_HAS_PLACEHOLDER = re.compile(f"[{chr(_PLACEHOLDER_BASE)}-{chr(_PLACEHOLDER_BASE + len(_CJK_PUNCT))}]")
-_BOOL_KEYS = ("enabled", "nfkc", "keep_cjk_punctuation", "ansi", "control", "whitespace", "zh_simplified")
+_HAS_PLACEHOLDER = re.compile(
+    f"[{chr(_PLACEHOLDER_BASE)}-{chr(_PLACEHOLDER_BASE + len(_CJK_PUNCT))}]"
+)
+_BOOL_KEYS = (
+    "enabled",
+    "nfkc",
+    "keep_cjk_punctuation",
+    "ansi",
+    "control",
+    "whitespace",
+    "zh_simplified",
+)
 
 
 class MissingExtraError(ImportError):
@@ -95,9 +108,7 @@ class Normalizer:
     name: str = "normalize"
 
     def __post_init__(self):
-        check_normalize_config(
-            {k: getattr(self, k) for k in _BOOL_KEYS if k != "enabled"}
-        )
+        check_normalize_config({k: getattr(self, k) for k in _BOOL_KEYS if k != "enabled"})
         self._opencc = None
         if self.zh_simplified:
             try:
