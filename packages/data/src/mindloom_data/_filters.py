@@ -117,6 +117,31 @@ def _looks_like_code(text: str) -> bool:
     return len(_CODE_LINE.findall(text)) >= 0.4 * lines
 
 
+def _may_have_rules(text: str) -> bool:
+    """Whether to look for rule tokens: a table bar, box drawing or a doubled rule
+    character. Substring tests are C-fast; the token regex (a look-behind at every
+    position) is not, and a lone `-` in prose is not worth it."""
+    return any(c in text for c in _RULE_HINTS) or _BOX_DRAWING.search(text) is not None
+
+
+_RULE_HINTS = (
+    "|",
+    "--",
+    "==",
+    "__",
+    "**",
+    "~~",
+    "++",
+    "..",
+    "##",
+    "::",
+    "\u2014",
+    "\u2013",
+    "\u2015",
+)
+_BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
 def _unit_arrays(units: list[str]) -> tuple[np.ndarray, np.ndarray]:
     ids = np.fromiter(map(hash, units), np.int64, len(units)).view(np.uint64)
     return ids, np.fromiter(map(len, units), np.int64, len(units))
@@ -477,8 +502,11 @@ class RepetitionFilter(Filter):
         r = self._dup_blocks(text.split("\n"), "line", info) if "\n" in text else None
         if r is None and "\n\n" in text:
             r = self._dup_blocks(text.split("\n\n"), "para", info)
-        if r is None and not info.code and not _is_verse(text, self.verse_max_line):
+        if r is None:
             r = self._ngrams(info)
+            # Verse and code are exempt; asked only when a rule fired, which is rare.
+            if r is not None and (info.code or _is_verse(text, self.verse_max_line)):
+                r = None
         return r
 
     def _dup_blocks(self, blocks, kind, info):
@@ -515,7 +543,7 @@ class RepetitionFilter(Filter):
             prose = _COMMAND_BLOCK.sub("\n", info.text)
             units = _UNITS_CJK.findall(prose) if info.cjk else prose.split()
             ids, lengths = _unit_arrays(units)
-        if _RULE_TOKEN.search(info.text):
+        if _may_have_rules(info.text) and _RULE_TOKEN.search(info.text):
             # Table borders and rules (`|`, `+-----+`, `│`) are layout, not words: left
             # out, so that a table's repeated borders are not its most common n-gram.
             units = [u for u in units if u.translate(_RULE_DELETE)]
