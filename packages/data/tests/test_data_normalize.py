@@ -1,5 +1,9 @@
+import unicodedata
+
 import pytest
+from mindloom_data import CleanError
 from mindloom_data._normalize import MissingExtraError, Normalizer
+from mindloom_data._pipeline import load_config
 
 
 def test_noise_goes_punctuation_and_paragraphs_stay():
@@ -18,10 +22,58 @@ def test_noise_goes_punctuation_and_paragraphs_stay():
 
 def test_nfkc_full_width_and_chinese_punctuation():
     n = Normalizer()
-    # full-width Latin and digits become ASCII; 。、 and CJK characters are kept
-    assert n("ＡＢＣ１２３　中文，句子。列举、结束！") == "ABC123 中文,句子。列举、结束!"
+    # full-width Latin and digits become ASCII; Chinese punctuation and characters stay
+    assert n("ＡＢＣ１２３　中文，句子。列举、结束！") == "ABC123 中文，句子。列举、结束！"
+    full = Normalizer(keep_cjk_punctuation=False)
+    assert full("ＡＢＣ１２３　中文，句子。列举、结束！") == "ABC123 中文,句子。列举、结束!"
     off = Normalizer(nfkc=False)
     assert off("ＡＢＣ　中文，") == "ＡＢＣ 中文，"  # the ideographic space is still a space
+
+
+def test_each_class_of_full_width_and_compatibility_character():
+    """Every code point of the Halfwidth and Fullwidth Forms block, judged against the
+    Unicode database: punctuation and symbols (categories P*, S*) of the full-width part
+    U+FF01-FF60 stay; letters, digits and everything else get NFKC."""
+    n = Normalizer(whitespace=False, control=False)
+    for cp in range(0xFF01, 0xFFEF):
+        ch = chr(cp)
+        if unicodedata.category(ch) == "Cn":
+            continue
+        full_width_mark = cp <= 0xFF60 and unicodedata.category(ch)[0] in "PS"
+        want = ch if full_width_mark else unicodedata.normalize("NFKC", ch)
+        assert n("中" + ch + "文") == "中" + want + "文", hex(cp)
+    cases = {
+        "，。！？：；（）「」『』、《》【】": "，。！？：；（）「」『』、《》【】",
+        "ＡＢＣｘｙｚ": "ABCxyz",  # full-width Latin letters
+        "０１２３４５６７８９": "0123456789",  # full-width digits
+        "甲\u3000乙": "甲 乙",  # the ideographic space
+        "好……": "好……",  # the Chinese ellipsis
+        "１００％～２００％": "100％～200％",  # digits change, symbols stay
+        "ｶﾀｶﾅ｡｢ﾃｽﾄ｣､": "カタカナ。「テスト」、",  # half-width forms get their usual form
+        "\ufb01le \u2460 \u339c": "file 1 mm",  # ligature, circled digit, squared unit
+    }
+    for raw, want in cases.items():
+        assert Normalizer()(raw) == want, raw
+    full = Normalizer(keep_cjk_punctuation=False)
+    assert full("好，（甲）……") == unicodedata.normalize("NFKC", "好，（甲）……") == "好,(甲)......"
+
+
+def test_private_use_characters_in_the_text_are_not_mistaken_for_placeholders():
+    text = "\ue000\ue001，Ａ（\ue00b）"
+    assert Normalizer()(text) == "\ue000\ue001，A（\ue00b）"
+
+
+def test_normalize_config_values_are_checked_with_one_line_naming_the_key():
+    assert load_config({"normalize": {"keep_cjk_punctuation": False}})["normalize"] == {
+        **load_config(None)["normalize"],
+        "keep_cjk_punctuation": False,
+    }
+    with pytest.raises(
+        CleanError, match=r"^normalize\.keep_cjk_punctuation must be true or false, not 'yes'$"
+    ):
+        load_config({"normalize": {"keep_cjk_punctuation": "yes"}})
+    with pytest.raises(ValueError, match="normalize.nfkc must be true or false"):
+        Normalizer(nfkc="full")
 
 
 def test_switches_turn_steps_off():

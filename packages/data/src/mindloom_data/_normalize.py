@@ -3,10 +3,13 @@
 Order of operations (each can be switched off):
 
 1. ANSI escape sequences removed; BOM and zero-width characters removed.
-2. Unicode NFKC (full-width Latin letters and digits become ASCII, the ideographic space
-   U+3000 becomes a space, compatibility ligatures are split). Note that NFKC also maps
-   full-width punctuation such as `，！？` to `,!?`; `。`, `、` and quotes are kept as
-   they are.
+2. Unicode NFKC, CJK-aware by default: full-width Latin letters and digits become ASCII,
+   the ideographic space U+3000 becomes a space, compatibility ligatures are split,
+   half-width katakana and `｡｢｣､` become their usual forms, but full-width punctuation and
+   symbols (`，！？：；（）％～` and the rest of U+FF01-FF0F, FF1A-FF20, FF3B-FF40,
+   FF5B-FF60) and the ellipsis `…` stay as written: in Chinese text they are the
+   punctuation, not a compatibility form of ASCII. `keep_cjk_punctuation=False` is plain
+   NFKC (`，` -> `,`, `…` -> `...`).
 3. Line endings become `\\n`; other control characters are removed; tabs and every
    Unicode space become a plain space.
 4. Runs of spaces collapse to one, spaces at line ends go, and three or more newlines
@@ -39,8 +42,57 @@ _BYTE_TABLE = bytes(32 if _TABLE.get(c) == " " else c for c in range(256))
 _BYTE_DELETE = bytes(c for c in range(128) if c in _TABLE and _TABLE[c] is None)
 
 
+# Full-width punctuation and symbols, and the ellipsis, that NFKC would turn into ASCII.
+_CJK_PUNCT = (
+    "".join(
+        chr(c)
+        for lo, hi in ((0xFF01, 0xFF0F), (0xFF1A, 0xFF20), (0xFF3B, 0xFF40), (0xFF5B, 0xFF60))
+        for c in range(lo, hi + 1)
+    )
+    + "\u2026"
+)
+_HAS_CJK_PUNCT = re.compile(f"[{re.escape(_CJK_PUNCT)}]")
+# While NFKC runs, each becomes a private-use placeholder (NFKC leaves those alone).
+_PLACEHOLDER_BASE = 0xE000
+_PROTECT = {ord(c): _PLACEHOLDER_BASE + i for i, c in enumerate(_CJK_PUNCT)}
+_RESTORE = {v: k for k, v in _PROTECT.items()}
+_HAS_PLACEHOLDER = re.compile(
+    f"[{chr(_PLACEHOLDER_BASE)}-{chr(_PLACEHOLDER_BASE + len(_CJK_PUNCT))}]"
+)
+_BOOL_KEYS = (
+    "enabled",
+    "nfkc",
+    "keep_cjk_punctuation",
+    "ansi",
+    "control",
+    "whitespace",
+    "zh_simplified",
+)
+
+
 class MissingExtraError(ImportError):
     pass
+
+
+def check_normalize_config(cfg: dict) -> None:
+    """One-line ValueError for a `normalize` config value that is not true or false."""
+    for key in _BOOL_KEYS:
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ValueError(f"normalize.{key} must be true or false, not {cfg[key]!r}")
+
+
+def nfkc_keep_cjk_punctuation(text: str) -> str:
+    """NFKC except for full-width punctuation and symbols and `…`, which stay as written."""
+    if not _HAS_CJK_PUNCT.search(text):
+        return unicodedata.normalize("NFKC", text)
+    if not _HAS_PLACEHOLDER.search(text):
+        return unicodedata.normalize("NFKC", text.translate(_PROTECT)).translate(_RESTORE)
+    # The text uses our placeholders itself: normalize the pieces between the marks.
+    parts = _SPLIT_CJK_PUNCT.split(text)
+    return "".join(p if i % 2 else unicodedata.normalize("NFKC", p) for i, p in enumerate(parts))
+
+
+_SPLIT_CJK_PUNCT = re.compile(f"([{re.escape(_CJK_PUNCT)}])")
 
 
 @dataclass
@@ -48,6 +100,7 @@ class Normalizer:
     """A step that rewrites each document's text; counts documents it changed."""
 
     nfkc: bool = True
+    keep_cjk_punctuation: bool = True
     ansi: bool = True
     control: bool = True
     whitespace: bool = True
@@ -55,6 +108,7 @@ class Normalizer:
     name: str = "normalize"
 
     def __post_init__(self):
+        check_normalize_config({k: getattr(self, k) for k in _BOOL_KEYS if k != "enabled"})
         self._opencc = None
         if self.zh_simplified:
             try:
@@ -77,7 +131,10 @@ class Normalizer:
             else:
                 text = text.translate(_TABLE)
         if self.nfkc and not ascii and not unicodedata.is_normalized("NFKC", text):
-            text = unicodedata.normalize("NFKC", text)
+            if self.keep_cjk_punctuation:
+                text = nfkc_keep_cjk_punctuation(text)
+            else:
+                text = unicodedata.normalize("NFKC", text)
             if self.control:  # NFKC can produce new spaces (e.g. from U+3000)
                 text = text.translate(_TABLE)
         if self.whitespace:

@@ -51,7 +51,7 @@ from mindloom_data._executors import Executor, check_fault, make_executor
 from mindloom_data._filters import TextInfo, build_filters
 from mindloom_data._markers import read_rank_marker, reset_outputs, stale_reason, write_clean_marker
 from mindloom_data._minhash import MinHasher
-from mindloom_data._normalize import Normalizer
+from mindloom_data._normalize import Normalizer, check_normalize_config
 from mindloom_data._readers import ReadStats, iter_file, resolve_inputs
 from mindloom_data._report import StepStats, merge_steps, summary_text
 from mindloom_data._safe_yaml import check_finite, load_yaml, shown
@@ -84,6 +84,7 @@ DEFAULTS: dict = {
     "normalize": {
         "enabled": True,
         "nfkc": True,
+        "keep_cjk_punctuation": True,
         "ansi": True,
         "control": True,
         "whitespace": True,
@@ -136,6 +137,7 @@ def load_config(source: str | os.PathLike | dict | None) -> dict:
     _overlay(cfg, user, "")
     _check_values(cfg)
     try:
+        check_normalize_config(cfg["normalize"])
         build_filters(cfg["filters"])
         m = cfg["dedup"]["minhash"]
         if m["enabled"]:
