@@ -66,8 +66,8 @@ def test_warc_reader_one_document_per_html_response(tmp_path, gz):
     assert [d.id for d in docs] == [f"{path}:{offsets[i]}" for i in html_at]
     assert [d.metadata["url"] for d in docs] == [a[0] for a in ARTICLES]
     assert [d.text for d in docs] == [a[1] for a in ARTICLES]
-    assert docs[1].meta["date"] == "2024-03-02T10:00:00Z"
-    assert docs[1].meta["record_id"] == "<urn:uuid:00000000-0000-0000-0000-000000000002>"
+    assert docs[1].metadata["date"] == "2024-03-02T10:00:00Z"
+    assert docs[1].metadata["record_id"] == "<urn:uuid:00000000-0000-0000-0000-000000000002>"
     assert stats.documents == 4 and dict(stats.counts) == {"non_html_record": 2}
     assert stats.bad_records == 0
     # the second reader agrees on which records are HTML responses

@@ -44,10 +44,25 @@ def read_rank_marker(path: Path) -> dict:
         ) from None
 
 
-def write_clean_marker(out: Path, work: Path, tasks: int, jsonl: bool) -> dict:
+def _split_shards(out: Path) -> list[Path]:
+    # language.split_output writes OUT/<language>/shard-NNNNN.parquet, any number per task
+    return sorted(out.glob("*/shard-*.parquet"))
+
+
+def write_clean_marker(out: Path, work: Path, tasks: int, jsonl: bool, split: bool = False) -> dict:
     """Describe the kept shards of a finished run in OUT/clean.done.json (the last write)."""
     shards, extra = [], []
-    for t in range(tasks):
+    if split:
+        for path in _split_shards(out):
+            entry = describe_file(path)
+            entry["name"] = path.relative_to(out).as_posix()
+            entry["documents"] = int(_rows(path) or 0)
+            shards.append(entry)
+            if jsonl:
+                side = describe_file(path.with_suffix(".jsonl"))
+                side["name"] = path.with_suffix(".jsonl").relative_to(out).as_posix()
+                extra.append(side)
+    for t in range(0 if split else tasks):
         done = read_rank_marker(work / "done" / "write" / f"{t:05d}.json")
         entry = describe_file(out / shard_name(t))
         entry["documents"] = int(done["output"]["documents"])
@@ -72,14 +87,18 @@ def _rows(path: Path) -> int | None:
         return None
 
 
-def stale_reason(out: Path, work: Path, tasks: int, jsonl: bool) -> str | None:
+def stale_reason(out: Path, work: Path, tasks: int, jsonl: bool, split: bool = False) -> str | None:
     """Why the outputs of a previous run here cannot be trusted, or None."""
     if (out / CLEAN_MARKER).exists():
         try:
             marker = read_clean_marker(out, verify=True)
         except NoInputError as exc:
             return str(exc).split("; rerun")[0]
-        if len(marker["shards"]) != tasks or bool(marker["extra"]) != (jsonl and tasks > 0):
+        names = sorted(e["name"] for e in marker["shards"])
+        if split:
+            if names != [p.relative_to(out).as_posix() for p in _split_shards(out)]:
+                return f"{out / CLEAN_MARKER} covers other shards than the folders hold"
+        elif len(marker["shards"]) != tasks or bool(marker["extra"]) != (jsonl and tasks > 0):
             return f"{out / CLEAN_MARKER} covers other shards than this run writes"
         for entry in marker["shards"]:
             rows = _rows(out / entry["name"])
@@ -88,6 +107,8 @@ def stale_reason(out: Path, work: Path, tasks: int, jsonl: bool) -> str | None:
         return None
     # No final marker (a run killed before it, or one from before markers existed): every
     # shard that a write rank says it wrote must be there with its rows.
+    if split and (work / "done" / "write").is_dir() and any((work / "done" / "write").iterdir()):
+        return "a per-language output without its final marker cannot be checked shard by shard"
     for t in range(tasks):
         done = work / "done" / "write" / f"{t:05d}.json"
         if not done.exists():
@@ -111,8 +132,10 @@ def reset_outputs(out: Path, work: Path) -> None:
     (out / CLEAN_MARKER).unlink(missing_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(out / "removed", ignore_errors=True)
-    for p in [*out.glob("shard-*.parquet"), *out.glob("shard-*.jsonl")]:
-        p.unlink(missing_ok=True)
+    for p in [*out.glob("shard-*.parquet"), *out.glob("shard-*.jsonl"),
+              *out.glob("*/shard-*.parquet"), *out.glob("*/shard-*.jsonl")]:  # fmt: skip
+        if p.parent.name != "removed":
+            p.unlink(missing_ok=True)
     for name in ("report.json", "summary.txt"):
         (out / name).unlink(missing_ok=True)
 

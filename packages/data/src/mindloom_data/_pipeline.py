@@ -678,7 +678,8 @@ def clean(
             )
     elif out.exists() and any(out.glob("shard-*.parquet")):
         raise CleanError(f"{out} already holds shards from another run; choose another --output")
-    stale = stale_reason(out, work, len(files), cfg["output"]["jsonl"])
+    split = bool(cfg["language"]["enabled"] and cfg["language"].get("split_output"))
+    stale = stale_reason(out, work, len(files), cfg["output"]["jsonl"], split)
     if stale is not None:  # a marker must cover what is there, or nothing is trusted
         print(f"note: {out}: {stale}; regenerating the whole output", file=sys.stderr)
         reset_outputs(out, work)
@@ -732,7 +733,7 @@ def clean(
         # The bulky intermediates go; markers, counts and decisions stay so a rerun is a no-op.
         for sub in ("clean", "exch", "sigs"):
             shutil.rmtree(work / sub, ignore_errors=True)
-    write_clean_marker(out, work, run.tasks, cfg["output"]["jsonl"])
+    write_clean_marker(out, work, run.tasks, cfg["output"]["jsonl"], split)
     return report
 
 
