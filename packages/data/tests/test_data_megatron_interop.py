@@ -12,8 +12,8 @@ from mindloom_data import IndexedDataset, IndexedDatasetBuilder
 from mindloom_data._blend import blending_indices
 from mindloom_data._pack import build_concat_indices
 
-mcore_idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-torch = pytest.importorskip("torch")
+import megatron.core.datasets.indexed_dataset as mcore_idx  # noqa: E402 - required, never skipped
+import torch  # noqa: E402
 from megatron.core.datasets import helpers  # noqa: E402
 from megatron.core.datasets.gpt_dataset import (  # noqa: E402
     _build_document_index,

@@ -15,7 +15,7 @@ from mindloom_data import clean
 from mindloom_data._cli import main
 from mindloom_data._executors import RayExecutor
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402 - required here: a missing ray fails, never skips
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_exec_util import file_bytes, outcome, shared_reference  # noqa: E402
