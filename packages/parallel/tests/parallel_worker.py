@@ -72,8 +72,9 @@ def optimizer(params, kind, dp_group, zero_stage):
     )
 
 
-def numpy_adamw(params: dict, grads_per_step, lr: float, wd: float, betas=(0.9, 0.95),
-                eps: float = 1e-8) -> dict:
+def numpy_adamw(
+    params: dict, grads_per_step, lr: float, wd: float, betas=(0.9, 0.95), eps: float = 1e-8
+) -> dict:
     """torch.optim.AdamW's update written out in float64 NumPy (bias correction, decoupled
     decay on every parameter, as ShardedOptimizer does): the independent reference.
     -> {name: weight, "exp_avg.name": m, "exp_avg_sq.name": v} after the last step."""

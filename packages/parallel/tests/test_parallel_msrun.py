@@ -133,7 +133,10 @@ def _check_adamw(layout: str, full: dict, results: dict, run_dir: Path) -> None:
                                        err_msg=f"{layout}: {name} vs NumPy AdamW")  # fmt: skip
             for key, atol in (("exp_avg", 1e-6), ("exp_avg_sq", 1e-9)):
                 np.testing.assert_allclose(
-                    state[f"{name}.{key}"], ref[f"{key}.{name}"], rtol=1e-3, atol=atol,
+                    state[f"{name}.{key}"],
+                    ref[f"{key}.{name}"],
+                    rtol=1e-3,
+                    atol=atol,
                     err_msg=f"{layout} rank {rank}: {key}.{name} vs NumPy AdamW",
                 )
 
