@@ -111,7 +111,7 @@ def reference(out: Path, kind: str, overrides: dict) -> dict:
     names = [n for n, _ in model.parameters_and_names()]
     grad_fn = ms.value_and_grad(net, None, params)
     opt = optimizer(params, kind, Group(None, (0,), 0), 0)
-    init = {n: p.asnumpy() for n, p in zip(names, params)}
+    init = {n: p.asnumpy().copy() for n, p in zip(names, params)}  # asnumpy may share memory
     losses, all_grads = [], []
     for b in batches(cfg.vocab_size):
         t = {k: ms.Tensor(v) for k, v in b.items()}
