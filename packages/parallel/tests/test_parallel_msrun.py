@@ -124,7 +124,7 @@ def _check(
 
 def _check_adamw(layout: str, full: dict, results: dict, run_dir: Path) -> None:
     """Weights and gathered ZeRO-1 moments against NumPy AdamW on the reference gradients
-    (max |diff| measured ~1e-7 on weights: float32 vs float64 arithmetic)."""
+    (max |diff| measured 4.4e-7 on weights, 1.2e-8 on exp_avg: float32 vs float64)."""
     ref = np.load(run_dir.parent / "ref" / "reference_adamw_numpy.npz")
     for rank in results:
         state = np.load(run_dir / f"{layout}_optim_rank{rank}.npz")
