@@ -6,19 +6,18 @@ so every check that needs it lives in this one module.
 
 from __future__ import annotations
 
+import megatron.core.datasets.indexed_dataset as mcore_idx  # required, never skipped
 import numpy as np
 import pytest
-from mindloom_data import IndexedDataset, IndexedDatasetBuilder
-from mindloom_data._blend import blending_indices
-from mindloom_data._pack import build_concat_indices
-
-mcore_idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
-torch = pytest.importorskip("torch")
-from megatron.core.datasets import helpers  # noqa: E402
-from megatron.core.datasets.gpt_dataset import (  # noqa: E402
+import torch
+from megatron.core.datasets import helpers
+from megatron.core.datasets.gpt_dataset import (
     _build_document_index,
     _build_shuffle_index,
 )
+from mindloom_data import IndexedDataset, IndexedDatasetBuilder
+from mindloom_data._blend import blending_indices
+from mindloom_data._pack import build_concat_indices
 
 
 def _docs(seed=0, n=300, vocab=1000):

@@ -5,11 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray  # required here: a missing ray fails collection, never skips
 from mindloom_data import clean
 from mindloom_data._executors import FAULT_ENV, ExecutorError, RayExecutor
 from mindloom_data._ranked_tokenize import tokenize_ranks
-
-ray = pytest.importorskip("ray")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_exec_util import file_bytes, outcome, shared_reference  # noqa: E402

@@ -190,3 +190,95 @@ def test_config_errors_name_the_key(exported, tmp_path):
     one_line_error(d, "num_kv_heads=3 does not divide num_heads=4")
     (d / "config.json").write_text("{not json")
     one_line_error(d, "config.json: not valid JSON")
+
+
+# Every config field we write or read, each with a value that differs from both our and
+# transformers' defaults, so a field dropped (or read from the wrong key) in either
+# direction changes the config or the logits: rope_theta 500 (default 10000) over 40
+# positions, eps 1e-3 (defaults 1e-5 / 1e-6) on perturbed norms, 1 kv head of 4, etc.
+ODD = dict(vocab_size=200, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
+           ffn_hidden_size=96, max_seq_len=48, rms_norm_eps=1e-3, rope_theta=500.0,
+           init_std=0.05)  # fmt: skip
+LONG = np.random.default_rng(2).integers(0, 200, (2, 40))
+
+
+def _hf_rope_theta(config) -> float:
+    # transformers >= 5 keeps it in rope_parameters, 4.x as an attribute
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", -1.0)))
+
+
+def _perturb_norms(model) -> None:
+    rng = np.random.default_rng(4)
+    for p in model.trainable_params():
+        if p.name.endswith("norm.weight"):
+            p.set_data(Tensor((1.0 + 0.3 * rng.standard_normal(p.shape)).astype(np.float32)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_writes_every_field_transformers_reads(tmp_path, tied):
+    model = Llama(get_preset("debug", tie_embeddings=tied, **ODD))
+    _perturb_norms(model)
+    save_hf(model, tmp_path, bos_token_id=5, eos_token_id=7)
+    c = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(c, transformers.LlamaConfig)
+    got = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+               num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+               num_kv_heads=c.num_key_value_heads, ffn_hidden_size=c.intermediate_size,
+               max_seq_len=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+               rope_theta=_hf_rope_theta(c), init_std=c.initializer_range)  # fmt: skip
+    assert got == ODD
+    assert (c.head_dim, c.tie_word_embeddings, c.bos_token_id, c.eos_token_id) == (16, tied, 5, 7)
+    assert (c.rope_parameters or {}).get("rope_type", "default") == "default"
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    np.testing.assert_allclose(ours_logits(model, LONG), hf_logits(hf, LONG), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_reads_every_field_transformers_writes(tmp_path, tied):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=48,
+        rms_norm_eps=1e-3, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        initializer_range=0.05, tie_word_embeddings=tied, bos_token_id=5, eos_token_id=7,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf(tmp_path)
+    c = model.config
+    got = {k: getattr(c, k) for k in ODD}
+    assert got == ODD and c.tie_embeddings is tied and c.head_dim == 16
+    np.testing.assert_allclose(ours_logits(model, LONG), hf_logits(hf, LONG), atol=1e-4, rtol=0)
+
+
+def test_transformers_4_style_config_keys_are_read(tmp_path):
+    # transformers 4.x wrote rope_theta at the top level and rope_scaling: null
+    from mindloom_model._hf import config_from_hf, hf_config
+
+    d = hf_config(get_preset("debug", **ODD))
+    d.pop("rope_parameters")
+    d["rope_scaling"] = None
+    assert d["rope_theta"] == 500.0 and d["rms_norm_eps"] == 1e-3
+    c = config_from_hf(d)
+    assert {k: getattr(c, k) for k in ODD} == ODD
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}},
+    ],
+)
+def test_rope_scaling_we_cannot_reproduce_is_refused(rope):
+    from mindloom_model._hf import config_from_hf, hf_config
+
+    d = {**hf_config(get_preset("debug")), **rope}
+    with pytest.raises(HFFormatError, match=r"config.json: rope scaling '\w+' is not supported"):
+        config_from_hf(d)

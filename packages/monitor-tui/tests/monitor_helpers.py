@@ -112,8 +112,9 @@ def screen_text(app) -> str:
     return console.export_text()
 
 
-async def wait_for(pilot, cond, timeout: float = 5.0) -> bool:
-    """Let the app run until `cond()` holds; False after `timeout` seconds."""
+async def wait_for(pilot, cond, timeout: float = 60.0) -> bool:
+    """Let the app run until `cond()` holds; False after `timeout` seconds (a deadline
+    for a hung app only: a loaded machine must not turn a slow render into a failure)."""
     import time
 
     end = time.monotonic() + timeout

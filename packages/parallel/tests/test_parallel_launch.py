@@ -19,7 +19,6 @@ WORKER = str(Path(__file__).parent / "parallel_worker.py")
 
 def test_a_layout_that_does_not_fit_fails_before_any_worker_starts(tmp_path):
     logs = tmp_path / "logs"
-    t0 = time.perf_counter()
     with pytest.raises(ParallelConfigError, match=r"world size 2 != dp\*tp\*pp = 2\*2\*1 = 4"):
         launch(
             [WORKER, str(tmp_path)],
@@ -38,8 +37,8 @@ def test_a_layout_that_does_not_fit_fails_before_any_worker_starts(tmp_path):
             pcfg=ParallelConfig(tp=4),
             model_cfg=get_preset("debug"),
         )
-    assert not logs.exists()  # msrun never ran: no log directory, no worker log
-    assert time.perf_counter() - t0 < 5
+    # msrun never ran: no log directory, no worker log (proven by that, not by a time bound)
+    assert not logs.exists()
 
 
 def test_bad_launch_arguments_are_one_line_errors(tmp_path):

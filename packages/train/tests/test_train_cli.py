@@ -55,9 +55,9 @@ def test_a_too_small_tokenizer_vocab_is_a_config_error(tmp_path, capsys):
 
 
 def test_export_hf_loads_in_transformers(run_a, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     import numpy as np
+    import torch
+    import transformers
     from mindloom_train._commands import load_model
 
     out = tmp_path / "hf"
