@@ -24,7 +24,12 @@ def _outputs(out: Path) -> dict:
     }
 
 
-def test_web_pipeline_through_ray_matches_one_worker(tmp_path):
+def test_web_pipeline_through_ray_matches_one_worker(tmp_path, monkeypatch):
+    # test_data_ray_cluster.py (earlier in the same process) runs its throwaway cluster with
+    # token authentication off, and Ray keeps that setting for the driver; the local GCS
+    # started here must agree with it, or it refuses the driver
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     src = tmp_path / "in"
     src.mkdir()
     recs = [
