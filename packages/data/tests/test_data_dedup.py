@@ -13,7 +13,10 @@ from mindloom_data._pipeline import DEFAULTS, load_config
 PROBES = DEFAULTS["dedup"]["minhash"]["probe_bands"]
 MINHASH_ONLY = {
     "normalize": False,
-    "filters": {k: False for k in ("length", "repeated_chars", "garbled", "symbols", "repetition", "boilerplate")},
+    "filters": {
+        k: False
+        for k in ("length", "repeated_chars", "garbled", "symbols", "repetition", "boilerplate")
+    },
     "dedup": {"exact": False, "paragraph": False},
 }
 
@@ -144,7 +147,10 @@ def test_exact_and_paragraph_dedup_across_the_corpus(tmp_path):
     _write(tmp_path / "in.jsonl", docs)
     # the planted paragraph is a newsletter line, which the boilerplate filter would remove
     # whole; this test is about paragraph dedup
-    cfg = {"filters": {"length": {"min_units": 1}, "boilerplate": False}, "dedup": {"minhash": False}}
+    cfg = {
+        "filters": {"length": {"min_units": 1}, "boilerplate": False},
+        "dedup": {"minhash": False},
+    }
     report = clean(tmp_path / "in.jsonl", tmp_path / "out", config=cfg)
     rows = pq.read_table(tmp_path / "out/shard-00000.parquet").to_pylist()
     texts = [r["text"] for r in rows]
@@ -202,7 +208,14 @@ def test_pairs_near_the_threshold_are_decided_by_their_exact_jaccard(tmp_path):
                 "normalize": False,
                 "filters": {
                     k: False
-                    for k in ("length", "repeated_chars", "garbled", "symbols", "repetition", "boilerplate")
+                    for k in (
+                        "length",
+                        "repeated_chars",
+                        "garbled",
+                        "symbols",
+                        "repetition",
+                        "boilerplate",
+                    )
                 },
                 "dedup": {"exact": False, "paragraph": False, "minhash": {"verify": verify}},
             },
