@@ -127,7 +127,9 @@ def tok_dir(tmp_path_factory, cleaned):
 
 @pytest.fixture(scope="module")
 def mcore():
-    return pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import megatron.core.datasets.indexed_dataset as indexed  # required: the data env has it
+
+    return indexed
 
 
 @pytest.mark.parametrize("bos", [False, True])

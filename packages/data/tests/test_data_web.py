@@ -5,13 +5,12 @@ import json
 import sys
 from pathlib import Path
 
+import fastwarc  # noqa: F401  (the web extra; the data env installs it)
 import pyarrow.parquet as pq
 import pytest
+import warcio
 from mindloom_data import clean
 from mindloom_data._readers import ReadStats, iter_file
-
-pytest.importorskip("fastwarc")
-warcio = pytest.importorskip("warcio")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from web_util import (  # noqa: E402

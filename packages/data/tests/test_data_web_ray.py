@@ -4,12 +4,10 @@ output bytes as one local worker."""
 import sys
 from pathlib import Path
 
-import pytest
+import fastwarc  # noqa: F401  (the web extra; the data env installs it)
+import ray
 from mindloom_data import clean
 from mindloom_data._executors import RayExecutor
-
-ray = pytest.importorskip("ray")
-pytest.importorskip("fastwarc")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from web_util import ARTICLE_PAGES, http_response, warc_record, write_warc  # noqa: E402

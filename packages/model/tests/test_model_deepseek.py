@@ -9,6 +9,8 @@ import json
 import mindspore as ms
 import numpy as np
 import pytest
+import torch
+import transformers
 from mindloom_model import (
     DeepseekV3,
     DeepseekV3WithLoss,
@@ -21,9 +23,6 @@ from mindloom_model import (
     update_expert_bias,
 )
 from mindloom_model._deepseek import deepseek_num_params, moe_routers
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 
