@@ -80,6 +80,13 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key model: {exc}") from None
+    if mcfg.family != "llama":
+        # the DeepSeek-V3 model exists (mindloom_model.DeepseekV3) but its train step (MTP
+        # and balance losses, the expert-bias update, MoE metrics) is not wired in yet
+        raise ConfigError(
+            f"config key model.family: {mcfg.family!r} does not train through mindloom yet "
+            "(only 'llama'); the model itself is in mindloom_model"
+        )
     if mcfg.max_seq_len < cfg.train_dataset.seq_length:
         raise ConfigError(
             f"config key model.max_seq_len: {mcfg.max_seq_len} is shorter than "
