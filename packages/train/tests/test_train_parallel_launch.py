@@ -240,8 +240,16 @@ def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
     a = open_checkpoint(runs["zero1"] / "checkpoints" / "step_00000003").load_tensors()
     b = open_checkpoint(runs["ref"] / "checkpoints" / "step_00000002").load_tensors()
     assert set(a) == set(b)
-    for name in a:  # weights and the (gathered) ZeRO-1 AdamW moments
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    # weights and the (gathered) ZeRO-1 AdamW moments. The ZeRO-1 update is deterministic
+    # (two launches fail identically at atol 1e-6: the same 1 of 8192 elements, 2.8e-6):
+    # an element whose summed gradient cancels to ~0 carries a large relative rounding
+    # difference between the two runs' reduction orders, and AdamW's m / sqrt(v) turns it
+    # into an update difference of order lr (3e-3). A skipped or doubled update moves
+    # thousands of elements by ~lr, far outside 2e-5.
+    tol = {"exp_avg.": (1e-3, 1e-7), "exp_avg_sq.": (1e-3, 1e-10)}
+    for name in a:
+        rtol, atol = next((v for k, v in tol.items() if name.startswith(k)), (1e-4, 2e-5))
+        np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
 def test_launch_refuses_a_layout_the_model_does_not_fit(prepared, tmp_path, capsys):
