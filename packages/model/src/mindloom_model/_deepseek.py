@@ -56,6 +56,7 @@ from mindloom_model._llama import (
     MLP,
     Embedding,
     Linear,
+    Llama,
     ModelConfig,
     RMSNorm,
     _normal,
@@ -634,15 +635,9 @@ class DeepseekV3(nn.Cell):
         x = self.trunk(tokens, position_ids, segment_ids)[0]
         return self.head(self.norm(x))
 
-    def head(self, x):
-        # x [B, S, D] -> logits [B, S, V] fp32
-        if self.tie_embeddings:
-            w = self.embed.weight
-            if w.dtype != x.dtype:
-                w = w.astype(x.dtype)
-            b, s, d = x.shape
-            return self.head_matmul(x.reshape(-1, d), w).reshape(b, s, -1).astype(ms.float32)
-        return self.lm_head(x).astype(ms.float32)
+    # the output head reads the same attributes as Llama's (tie_embeddings, embed,
+    # head_matmul, lm_head): one implementation for both families
+    head = Llama.head
 
 
 def _shift_left(x, j: int, fill):

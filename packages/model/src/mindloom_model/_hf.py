@@ -282,12 +282,18 @@ def save_hf(
             raise ValueError(
                 f"save_hf: parameter {ours!r} has shape {list(tensors[hf].shape)}, expected {list(expected)}"
             )
+    return write_hf_dir(out_dir, tensors, hf_config(cfg, dtype, **config_extra), dtype)
+
+
+def write_hf_dir(out_dir, tensors: dict[str, np.ndarray], config: dict, dtype: str) -> Path:
+    """`out_dir/model.safetensors`, then `out_dir/config.json` last (atomically), so a
+    directory with a config is complete."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / WEIGHTS, tensors, dtype, metadata={"format": "pt"})
     tmp = out / (CONFIG + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(hf_config(cfg, dtype, **config_extra), f, indent=2)
+        json.dump(config, f, indent=2)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

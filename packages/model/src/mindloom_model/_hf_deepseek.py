@@ -11,9 +11,7 @@ and written only when asked.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 
 import mindspore as ms
@@ -230,7 +228,7 @@ def save_deepseek_hf(
 ) -> Path:
     """Write a DeepseekV3ForCausalLM directory. MTP modules only with include_mtp (they are
     a training objective; Hugging Face's model ignores them)."""
-    from mindloom_model._hf import CONFIG, WEIGHTS, write_safetensors
+    from mindloom_model._hf import write_hf_dir
 
     cfg = model.config
     mtp = cfg.num_nextn_predict_layers if include_mtp else 0
@@ -251,19 +249,9 @@ def save_deepseek_hf(
             raise ValueError(
                 f"save_hf: {name} has shape {list(tensors[name].shape)}, expected {list(shape)}"
             )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS, tensors, dtype, metadata={"format": "pt"})
     config = deepseek_hf_config(cfg, dtype, **extra)
     config["num_nextn_predict_layers"] = mtp
-    tmp = out / (CONFIG + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / CONFIG)  # last: a directory with a config is complete
-    return out
+    return write_hf_dir(out_dir, tensors, config, dtype)
 
 
 def load_deepseek_hf(root: Path, raw: dict, where: str, **overrides) -> DeepseekV3:
