@@ -137,10 +137,11 @@ def jobs(prepared, tmp_path_factory) -> dict:
         )
         out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
         out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
+        # B's relaunch: resumes from step 3 and finishes (started while A still runs, so
+        # its start-up overlaps A's last steps)
+        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
         _, err = procs["a"].communicate(timeout=900)
         assert procs["a"].returncode == 0, err[-3000:]
-        # B's relaunch: resumes from step 3 and finishes
-        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
         _, err = procs["b2"].communicate(timeout=900)
         assert procs["b2"].returncode == 0, err[-3000:]
     finally:
