@@ -23,15 +23,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from mindloom_train._checkpoint import read_tracker, step_dirname
 from mindloom_train._faults import AWAIT_MARKER
-from train_testutil import SCHED, base_config, events, run_cli, step_records
+from train_testutil import SCHED, base_config, events, run_cli, start_launch, step_records
 
 STEPS = 6
 STOP_STEP = 3
@@ -45,17 +45,8 @@ def _config(prepared, run: Path) -> dict:
 
 
 def _start(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
-    path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "GLOG_v": "3"}
-    env.pop("MINDLOOM_FAULT", None)
-    if fault:
-        env["MINDLOOM_FAULT"] = fault
-    return subprocess.Popen(
-        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
-         "--timeout", "900", "--stop-grace", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,  # its own process group, as a shell job
-    )  # fmt: skip
+    return start_launch(cfg, path, fault, timeout_s=900, extra=("--stop-grace", "120"),
+                        own_session=True)  # fmt: skip
 
 
 def _job_pids(config: Path) -> list[int]:
@@ -146,10 +137,11 @@ def jobs(prepared, tmp_path_factory) -> dict:
         )
         out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
         out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
+        # B's relaunch: resumes from step 3 and finishes (started while A still runs, so
+        # its start-up overlaps A's last steps)
+        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
         _, err = procs["a"].communicate(timeout=900)
         assert procs["a"].returncode == 0, err[-3000:]
-        # B's relaunch: resumes from step 3 and finishes
-        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
         _, err = procs["b2"].communicate(timeout=900)
         assert procs["b2"].returncode == 0, err[-3000:]
     finally:
@@ -215,6 +207,16 @@ def test_resume_after_the_sigterm_stop_is_bit_exact(jobs):
             assert b[step][key] == a[step][key], (step, key, b[step][key], a[step][key])
     starts = events(jobs["runs"]["b"], "start")
     assert starts[-1]["resumed_from"] is not None and starts[-1]["step"] == STOP_STEP
+    # the final checkpoints: every weight and both AdamW moments, bit for bit
+    from mindloom_train._checkpoint import open_checkpoint
+
+    assert read_tracker(jobs["runs"]["a"] / "checkpoints") == STEPS
+    assert read_tracker(jobs["runs"]["b"] / "checkpoints") == STEPS
+    wa = open_checkpoint(jobs["runs"]["a"] / "checkpoints").load_tensors()
+    wb = open_checkpoint(jobs["runs"]["b"] / "checkpoints").load_tensors()
+    assert set(wa) == set(wb) and {n.split(".")[0] for n in wa} >= {"exp_avg", "exp_avg_sq"}
+    for name in wa:
+        np.testing.assert_array_equal(wa[name], wb[name], err_msg=name)
 
 
 @pytest.mark.msrun

@@ -10,16 +10,23 @@ metrics.jsonl, checkpoint metadata, and resume of each layout's checkpoint on on
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from train_testutil import SCHED, base_config, events, run_config, step_records
+from train_testutil import (
+    SCHED,
+    base_config,
+    events,
+    run_config,
+    step_records,
+    stop_launches,
+    wait_launches,
+)
+from train_testutil import kill_msrun as _kill_msrun  # noqa: F401 - test_train_hang imports it
+from train_testutil import start_launch as _launch
 
 STEPS = 4
 SAVE = 2  # the launches save at steps 2 and 4; the resume tests start from step 2
@@ -34,19 +41,6 @@ def _config(prepared, run: Path, **sections) -> dict:
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
-
-
-def _launch(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
-    path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "GLOG_v": "3"}
-    env.pop("MINDLOOM_FAULT", None)
-    if fault:
-        env["MINDLOOM_FAULT"] = fault
-    return subprocess.Popen(
-        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
-         "--timeout", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,31 +65,10 @@ def runs(prepared, tmp_path_factory) -> dict[str, Path]:
         # the reference, meanwhile: one process, compiled step, the whole global batch of 4
         assert run_config(_config(prepared, root / "ref")) == 0
         out["ref"] = root / "ref"
-        for name, proc in procs.items():
-            _, err = proc.communicate(timeout=460)  # bounded; launch --timeout kills first
-            assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+        wait_launches(procs, timeout_s=460)
     finally:
-        for name, proc in procs.items():
-            if proc.poll() is None:  # only after a failed assertion or a timeout
-                _kill_msrun(root / name / "msrun_logs")
-                proc.kill()
-                proc.communicate()
+        stop_launches(procs, {name: root / name / "msrun_logs" for name in procs})
     return out
-
-
-def _kill_msrun(log_dir: Path) -> None:
-    """Stop the msrun job this test started (found by its own log directory)."""
-    import signal
-
-    needle = f"--log_dir={log_dir.resolve()}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "cmdline").read_bytes():
-                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
 
 
 @pytest.mark.msrun

@@ -74,23 +74,23 @@ def test_fp16_compute_trains_with_automatic_loss_scaling(prepared, run_a, tmp_pa
     assert not events(run, "anomaly")
 
 
-def test_dropout_is_on_in_training_and_off_in_eval(prepared, tmp_path):
+def test_dropout_is_on_in_training_and_off_in_eval(prepared, run_a, tmp_path):
     # MindSpore cells start in inference mode, where nn.Dropout is the identity: a trainer
     # that forgets set_train(True) trains without dropout and nobody notices
-    model = {"preset": "debug", "vocab_size": None, "dropout": 0.3}
-    short = {"train_iters": 2, "eval_interval": 2}
-    on = base_config(prepared, tmp_path / "on", lr_scheduler=SCHED, model=model, training=short)
-    off = base_config(prepared, tmp_path / "off", lr_scheduler=SCHED, training=short)
-    assert run_config(on) == 0 and run_config(off) == 0
-    a, b = step_records(tmp_path / "on"), step_records(tmp_path / "off")
-    # same weights and data, so only dropout can change the first step's loss
-    assert a[1]["step_loss"] != b[1]["step_loss"]
-    # evaluation runs without dropout: the same weights evaluate to the same loss twice
     from mindloom_train._config import from_dict
     from mindloom_train._trainer import Trainer
 
-    trainer = Trainer(from_dict({**on, "run_dir": str(tmp_path / "on2")}))
+    model = {"preset": "debug", "vocab_size": None, "dropout": 0.3}
+    short = {"train_iters": 2, "eval_interval": 2}
+    on = base_config(prepared, tmp_path / "on", lr_scheduler=SCHED, model=model, training=short)
+    trainer = Trainer(from_dict(on))
     assert trainer.run() == 0
+    # run_a: the same weights and data without dropout (a step's loss is computed before its
+    # update, and the first batches do not depend on train_iters), so only dropout can
+    # change the first step's loss
+    a, b = step_records(tmp_path / "on"), step_records(run_a)
+    assert a[1]["step_loss"] != b[1]["step_loss"]
+    # evaluation runs without dropout: the same weights evaluate to the same loss twice
     assert trainer.evaluate(2) == trainer.evaluate(2)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 SCHED = {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2, "decay_iters": 8}
 
@@ -66,3 +69,64 @@ def step_records(run_dir: Path) -> dict[int, dict]:
 
 def events(run_dir: Path, name: str) -> list[dict]:
     return [r for r in read_metrics(run_dir) if r.get("event") == name]
+
+
+def launch_env(fault: str | None = None) -> dict:
+    """The environment of a launched job: quiet MindSpore, the fault hook only if given."""
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    if fault:
+        env["MINDLOOM_FAULT"] = fault
+    return env
+
+
+def start_launch(
+    cfg: dict,
+    path: Path,
+    fault: str | None = None,
+    *,
+    nproc: int = 2,
+    timeout_s: int = 400,
+    extra: tuple[str, ...] = (),
+    own_session: bool = False,
+) -> subprocess.Popen:
+    """Write `cfg` to `path` and start `mindloom launch --nproc N path` (real msrun) in the
+    background; `own_session` puts the launcher in a process group of its own, as a shell
+    job, so a test can signal the group."""
+    path.write_text(yaml.safe_dump(cfg))
+    return subprocess.Popen(
+        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", str(nproc), str(path),
+         "--timeout", str(timeout_s), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(fault),
+        start_new_session=own_session,
+    )  # fmt: skip
+
+
+def kill_msrun(log_dir: Path) -> None:
+    """Stop the msrun job a test started (found by its own log directory)."""
+    needle = f"--log_dir={Path(log_dir).resolve()}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def wait_launches(procs: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every launch (bounded: `launch --timeout` kills first); each must exit 0."""
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=timeout_s)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+
+
+def stop_launches(procs: dict[str, subprocess.Popen], log_dirs: dict[str, Path]) -> None:
+    """Kill whatever still runs (only after a failed assertion or a timeout), with its msrun
+    job, so that nothing is left behind for the next test."""
+    for name, proc in procs.items():
+        if proc.poll() is None:
+            kill_msrun(log_dirs[name])
+            proc.kill()
+            proc.communicate()
