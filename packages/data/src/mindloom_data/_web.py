@@ -57,7 +57,7 @@ EXTRA = "web"
 WEB_DEFAULTS: dict = {
     "html_key": None,
     # "auto": on when the input is HTML (WARC, .html, or html_key), off otherwise
-    "extract": {"enabled": "auto", "method": "trafilatura", "include_tables": False},
+    "extract": {"enabled": "auto", "method": "resiliparse", "include_tables": False},
     "repair": {"enabled": "auto"},
     "language": {
         "enabled": False,
