@@ -382,7 +382,14 @@ def _run(args, tmp: Path) -> int:
         ex = Extractor(method)
         t0 = cpu()
         extracted[method] = {url: ex(t["html"]) for url, t in truth.items()}
-        print(row(f"mindloom extract.method={method}", n, cpu() - t0, quality(truth, extracted[method])))
+        print(
+            row(
+                f"mindloom extract.method={method}",
+                n,
+                cpu() - t0,
+                quality(truth, extracted[method]),
+            )
+        )
     from datatrove.data import Document as DtDoc
     from datatrove.pipeline.extractors import Trafilatura
 

@@ -258,7 +258,7 @@ def test_repair_skips_only_text_ftfy_cannot_change():
             return codes
         return None
 
-    (op, (_, branches)), = sre.parse(BADNESS_RE.pattern, BADNESS_RE.flags)
+    ((op, (_, branches)),) = sre.parse(BADNESS_RE.pattern, BADNESS_RE.flags)
     assert op is sre.BRANCH and len(branches) > 20
     for branch in branches:
         needed = [c for c in map(non_ascii_set, branch) if c is not None]

@@ -334,7 +334,9 @@ class WebSteps:
                 remove_control_chars=False,
                 normalization=None,
             )
-            self.fix = functools.partial(repair_text, functools.partial(ftfy.fix_text, config=config))
+            self.fix = functools.partial(
+                repair_text, functools.partial(ftfy.fix_text, config=config)
+            )
         self.lang = None
         lcfg = cfg["language"]
         if lcfg["enabled"]:
