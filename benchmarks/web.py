@@ -244,6 +244,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.side:
         return _side(args.side, Path(args.dir))
+    sys.stdout.reconfigure(line_buffering=True)  # the children's lines interleave in order
     print(
         f"load: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} on {os.cpu_count()} CPUs"
     )
