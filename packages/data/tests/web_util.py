@@ -89,3 +89,42 @@ ARTICLE_PAGES = [
     ("http://blog.example.org/pytorch", page("安装 PyTorch", MIXED_BODY, "zh")),
     ("http://zeitung.example.de/fluesse", page("Flüsse", DE_BODY, "de")),
 ]
+
+# Language identification, labeled by hand: (expected language, text). Mixed Chinese /
+# English technical text is labeled "zh+en": either label is right, and the two together
+# must carry the score.
+LABELED = [
+    ("en", " ".join(EN_BODY)),
+    ("en", "To install the package, open a terminal and run the installer with the default "
+           "options. When it finishes, restart your shell so that the new commands are found, "
+           "then check the version number to make sure everything worked as expected."),
+    ("zh", " ".join(ZH_BODY)),
+    ("zh", "这个城市的图书馆每天早上八点开门，周末也不休息。很多学生喜欢在安静的阅览室里复习功课，"
+           "老人们则常常在报刊区读当天的新闻，馆里还经常举办讲座和展览。"),
+    ("zh+en", " ".join(MIXED_BODY)),
+    ("zh+en", "用 git clone 下载代码后，在 config.yaml 里设置 data_path 和 output_dir，然后执行 "
+              "docker run -it --rm trainer:latest bash 进入容器，再运行 make test 检查环境是否正常。"),
+    ("de", " ".join(DE_BODY)),
+    ("fr", "Les rivières du nord transportent chaque printemps l'eau de fonte des hautes "
+           "montagnes, et les crues qu'elles apportent ont façonné les larges vallées depuis "
+           "des milliers d'années. Les agriculteurs ont remarqué que ces crues arrivent plus tôt."),
+    ("es", "Los ríos del norte llevan cada primavera el agua del deshielo de las altas montañas, "
+           "y las crecidas que traen han dado forma a los anchos valles durante miles de años. "
+           "Los agricultores han notado que ahora llegan antes que en el pasado."),
+    ("it", "I fiumi del nord portano ogni primavera l'acqua del disgelo dalle alte montagne, e "
+           "le piene che arrivano hanno modellato le ampie valli per migliaia di anni. Gli "
+           "agricoltori hanno notato che oggi le piene arrivano prima rispetto al passato."),
+    ("nl", "De rivieren in het noorden voeren elk voorjaar smeltwater uit de hoge bergen af, en "
+           "de overstromingen die ze brengen hebben de brede dalen duizenden jaren lang gevormd. "
+           "De boeren stroomafwaarts merken dat het water nu eerder in het jaar komt."),
+    ("pt", "Os rios do norte trazem todas as primaveras a água do degelo das altas montanhas, e "
+           "as cheias que chegam moldaram os largos vales durante milhares de anos. Os "
+           "agricultores notaram que as cheias agora chegam mais cedo do que no passado."),
+    ("ru", "Северные реки каждую весну несут талую воду с высоких гор, и паводки, которые они "
+           "приносят, тысячелетиями формировали широкие долины. Фермеры заметили, что вода "
+           "теперь приходит раньше, чем в прошлом."),
+    ("ja", "北の川は毎年春になると高い山から雪解け水を運び、その洪水は何千年もの間、広い谷を"
+           "形作ってきた。下流の農家は、最近は水が以前より早く来ることに気づいている。"),
+    ("ko", "북쪽의 강은 매년 봄 높은 산에서 눈 녹은 물을 실어 나르고, 그 홍수는 수천 년 동안 넓은 "
+           "계곡을 만들어 왔다. 하류의 농부들은 요즘 물이 예전보다 일찍 온다는 것을 알아차렸다."),
+]  # fmt: skip

@@ -13,6 +13,12 @@ document is split by script first:
 Each part's language gets the part's share of the units times its confidence, so a
 Chinese technical page with 40% English words scores about zh 0.6 and en 0.4, and a
 keep-list `[zh, en]` sees 1.0 (the scores of the kept languages add up), not "other".
+
+Cost: the script counts cover the first `max_chars` characters (a regex pass), but lingua,
+whose time grows with its input, sees only the first `max_words` words of the non-CJK
+part: a page in one Latin-script language is as clear from 32 words as from 300 (the
+labeled set in the tests: same labels), at a fifth of the time. A page whose non-CJK
+part has fewer than 12 letters never reaches lingua (a Chinese page with a stray "OK").
 """
 
 from __future__ import annotations
@@ -63,11 +69,12 @@ class LanguageIdentifier:
     longer n-grams (slower to load, much more memory, better on single short sentences).
     """
 
-    def __init__(self, accuracy: str = "low", max_chars: int = 2000):
+    def __init__(self, accuracy: str = "low", max_chars: int = 2000, max_words: int = 32):
         if accuracy not in ("low", "high"):
             raise ValueError(f"language.accuracy must be low or high, got {accuracy!r}")
         self._detector = _detector(accuracy)
         self.max_chars = max_chars
+        self.max_words = max_words
 
     def identify(self, text: str) -> LanguageResult:
         sample = text[: self.max_chars]
@@ -88,7 +95,8 @@ class LanguageIdentifier:
             scores[lang] = n_cjk / total
         if n_words:
             share = n_words / total
-            for cv in self._detector.compute_language_confidence_values(" ".join(words))[:3]:
+            sample_words = " ".join(words[: self.max_words])
+            for cv in self._detector.compute_language_confidence_values(sample_words)[:3]:
                 code = cv.language.iso_code_639_1.name.lower()
                 scores[code] = scores.get(code, 0.0) + share * cv.value
         scores = {k: round(v, 3) for k, v in scores.items() if v >= 0.01}
