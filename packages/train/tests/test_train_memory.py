@@ -20,10 +20,9 @@ import math
 import re
 
 import pytest
-from train_testutil import base_config, run_cli
-
 from mindloom_train import _memory
 from mindloom_train._config import ConfigError, from_dict
+from train_testutil import base_config, run_cli
 
 # ---------------------------------------------------------------------------------------
 # (a) Megatron-LM's weight + optimizer bytes
@@ -160,26 +159,35 @@ def test_one_process_parameters_and_moments_are_exact():
 
 
 def test_zero1_shards_moments_by_whole_parameters_and_tp_pp_shrink_the_rank():
-    base = _memory.estimate(_cfg(parallelism={"dp": 4}), device="a100-80gb")
-    zero = _memory.estimate(_cfg(parallelism={"dp": 4, "zero_stage": 1}), device="a100-80gb")
+    gbs = {"global_batch_size": 32}
+    base = _memory.estimate(_cfg(parallelism={"dp": 4}, training=gbs), device="a100-80gb")
+    zero = _memory.estimate(_cfg(parallelism={"dp": 4, "zero_stage": 1}, training=gbs),
+                            device="a100-80gb")  # fmt: skip
     # greedy whole-parameter partition: the most loaded rank has at least a quarter
     assert base.components["optimizer states"] / 4 <= zero.components["optimizer states"]
     assert zero.components["optimizer states"] < base.components["optimizer states"] / 2
-    tp = _memory.estimate(_cfg(parallelism={"tp": 2, "dp": 2}), device="a100-80gb")
+    tp = _memory.estimate(_cfg(parallelism={"tp": 2, "dp": 2}, training=gbs), device="a100-80gb")
     assert tp.components["parameters"] < 0.6 * base.components["parameters"]
     assert tp.components["activations"] < base.components["activations"]
-    pp = _memory.estimate(_cfg(parallelism={"pp": 2, "dp": 2, "micro_batch_num": 2}),
-                          device="a100-80gb")  # fmt: skip
+    pp = _memory.estimate(_cfg(parallelism={"pp": 2, "dp": 2, "micro_batch_num": 2},
+                               training=gbs), device="a100-80gb")  # fmt: skip
     assert len(pp.stage_totals) == 2
 
 
 def test_recompute_full_keeps_only_layer_inputs():
-    none = _memory.estimate(_cfg(), device="cpu")
-    full = _memory.estimate(_cfg(recompute={"mode": "full"}), device="cpu")
-    sel = _memory.estimate(_cfg(recompute={"mode": "selected", "layers": [0, 1, 2]}),
-                           device="cpu")  # fmt: skip
-    a_none, a_sel, a_full = (e.components["activations"] for e in (none, sel, full))
+    def acts(device):
+        return [
+            _memory.estimate(_cfg(recompute=r), device=device).components["activations"]
+            for r in ({"mode": "none"}, {"mode": "selected", "layers": [0, 1, 2]},
+                      {"mode": "full"})
+        ]  # fmt: skip
+
+    a_none, a_sel, a_full = acts("h100-80gb")
     assert a_full < a_sel < a_none
+    # MindSpore's CPU graph keeps every intermediate: recompute adds a second forward
+    # (measured: 17m at 8 x 256, 4303 MiB peak without, 5042 MiB with; README)
+    a_none, a_sel, a_full = acts("cpu")
+    assert a_none < a_sel < a_full
 
 
 def test_deepseek_family_is_estimated():
@@ -263,24 +271,23 @@ def _peak_and_estimate(text: str) -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-def test_estimate_within_20_percent_of_the_debug_run(run_a):
-    # the session's debug run (no recompute), shared with the other tests
-    peak, est = _peak_and_estimate((run_a / "train.log").read_text())
-    assert abs(est - peak) <= 0.2 * peak, (est, peak)
-
-
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_estimate_within_20_percent_of_a_17m_run(prepared, tmp_path, recompute):
-    run = tmp_path / f"m17-{recompute}"
-    cfg = base_config(prepared, run, model={"preset": "17m", "vocab_size": 8000},
-                      train_dataset={"data_prefix": [prepared["train"]], "seq_length": 256},
+@pytest.mark.parametrize("preset", ["debug", "17m"])
+def test_estimate_within_20_percent_of_the_measured_peak(prepared, tmp_path, preset, recompute):
+    # a fresh process per run: its peak RSS is the run's own (runtime and compiler
+    # included); one step, where the peak is reached
+    run = tmp_path / f"{preset}-{recompute}"
+    shape = {"debug": ({"vocab_size": None}, 32, 4), "17m": ({"vocab_size": 8000}, 256, 8)}
+    model, seq, batch = shape[preset]
+    cfg = base_config(prepared, run, model={"preset": preset, **model},
+                      train_dataset={"data_prefix": [prepared["train"]], "seq_length": seq},
                       eval_dataset=None, recompute={"mode": recompute},
-                      training={"train_iters": 2, "global_batch_size": 8, "micro_batch_size": 8,
-                                "eval_iters": 1})  # fmt: skip
+                      training={"train_iters": 1, "global_batch_size": batch,
+                                "micro_batch_size": batch, "eval_iters": 1})  # fmt: skip
     cfg["checkpoint"]["save_at_end"] = False
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps(cfg))
-    r = run_cli("train", str(path))
+    r = run_cli("train", str(path), timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     peak, est = _peak_and_estimate(r.stderr)
     assert abs(est - peak) <= 0.2 * peak, (est, peak)

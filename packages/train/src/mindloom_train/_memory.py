@@ -172,7 +172,8 @@ def gpt_block(h: int, a: int, ffn: int | None = None, dropout: bool = True) -> l
     out = [
         TensorSaved("attn layernorm input", h, 2, sp_split=True),
         TensorSaved("qkv input", h, 2, sp_split=True),
-        TensorSaved("q, k", 2 * h, 2, tp_split=True, in_selective=True),
+        # kept under selective recompute: the inputs of the recomputed QK^T/softmax/PV
+        TensorSaved("q, k", 2 * h, 2, tp_split=True),
         TensorSaved("softmax output", a, 2, tp_split=True, scores=True, in_selective=True),
         TensorSaved("v", h, 2, tp_split=True),
         TensorSaved("proj input", h, 2, tp_split=True),
@@ -184,8 +185,9 @@ def gpt_block(h: int, a: int, ffn: int | None = None, dropout: bool = True) -> l
     if dropout:
         out += [
             TensorSaved("attn dropout mask", a, 1, tp_split=True, scores=True, in_selective=True),
-            TensorSaved("attn dropout output", a, 2, tp_split=True, scores=True,
-                        in_selective=True),  # fmt: skip
+            TensorSaved(
+                "attn dropout output", a, 2, tp_split=True, scores=True, in_selective=True
+            ),  # fmt: skip
             TensorSaved("attn residual dropout mask", h, 1, sp_split=True),
             TensorSaved("mlp residual dropout mask", h, 1, sp_split=True),
         ]
@@ -254,6 +256,30 @@ def deepseek_blocks(mcfg, c: int) -> tuple[list[TensorSaved], list[TensorSaved]]
         TensorSaved("shared expert swiglu", 4 * fm * mcfg.n_shared_experts, c, tp_split=True),
     ]
     return dense, moe
+
+
+def cpu_graph_intermediates(mcfg, b: int, s: int, recomputed: bool) -> tuple[float, float]:
+    """(bytes per layer, bytes of the head and loss) of MindSpore's CPU backend in graph
+    mode, fp32. Measured there: the compiled step keeps essentially every intermediate of
+    its forward and backward alive until the step ends (no reuse across the graph; the
+    17m preset at 8 x 256 peaks at ~4.3 GB where the saved-for-backward set is ~0.7 GB).
+    So this counts op outputs, not saved tensors: per layer, of width hidden (the two
+    RMSNorms 3 each; q/k/v and their transposes; RoPE's products, halves, concat and sum
+    on q and k; GQA's expanded k and v; the attention output, its transpose and wo; w2;
+    two residual sums), four of width ffn (w1, silu, w3, product) and three score-sized
+    (scores, + bias, softmax); the backward makes one gradient per forward output, two
+    more score-sized in the softmax backward. A recomputed layer runs its forward twice."""
+    h, a, f = mcfg.hidden_size, mcfg.num_heads, mcfg.ffn_hidden_size
+    g = mcfg.num_kv_heads / a
+    n = b * s
+    fwd_h = 3 + (1 + 2 * g) * 2 + 5 * (1 + g) + (2 if g < 1 else 0) + 3 + 1 + 3 + 1 + 1
+    fwd = 4 * n * (fwd_h * h + 4 * f) + 4 * b * a * s * s * (3 + (mcfg.dropout > 0))
+    bwd = fwd + 4 * b * a * s * s * 2
+    layer = fwd * (2 if recomputed else 1) + bwd
+    # logits, logits - max, exp; backward: d exp, d (logits - max), their sum, the
+    # gather's scatter
+    head = 4 * n * mcfg.vocab_size * 7 + 4 * n * h * 6
+    return layer, head
 
 
 def layer_activation_bytes(inventory, b, s, tp=1, sp=False, recompute="none") -> float:
@@ -362,7 +388,7 @@ def _model_config(cfg, vocab_size: int | None):
     from mindloom_train._modelcfg import _DTYPE, _RECOMPUTE, _overrides
 
     if vocab_size is None and cfg.model.get("vocab_size") is None:
-        vocab_size = cfg.tokenizer.vocab_size  # the tokenizer the run would train
+        vocab_size = _tokenizer_vocab(cfg)
     over = _overrides(cfg.model, vocab_size, cfg.train_dataset.seq_length)
     over["compute_dtype"] = _DTYPE[cfg.precision.compute_dtype]
     if cfg.recompute.mode != "none":
@@ -373,6 +399,20 @@ def _model_config(cfg, vocab_size: int | None):
         return get_preset(preset, **over) if preset else ModelConfig(**over)
     except (ValueError, TypeError) as exc:
         raise _cfg_error(f"config key model: {exc}") from None
+
+
+def _tokenizer_vocab(cfg) -> int | None:
+    """The vocabulary of the run's tokenizer: the one at tokenizer.path when it is there,
+    else the size the run would train (tokenizer.vocab_size; null: the preset's)."""
+    path = cfg.tokenizer.path
+    if path and os.path.isdir(path):
+        try:
+            from mindloom_tokenizer import Tokenizer
+
+            return Tokenizer.load(path).vocab_size
+        except Exception:  # an unreadable tokenizer is the run's error to report, not ours
+            pass
+    return cfg.tokenizer.vocab_size
 
 
 def _stage_param_sizes(mcfg, tp: int, pp: int) -> list[list[int]]:
@@ -479,6 +519,8 @@ def estimate(
     n_tok = b * s
     from mindloom_parallel import stage_layers
 
+    # MindSpore's CPU backend, compiled step (one process or plain data parallel)
+    cpu_graph = is_cpu and cfg.context.mode == "graph" and not engine
     stage_act, stage_tot, comps_by_stage = [], [], []
     for st in range(pp):
         layers = stage_layers(mcfg.num_layers, pp, st)
@@ -486,7 +528,11 @@ def estimate(
         act = 0.0
         recompute_work = 0.0
         for i in layers:
-            inv = inv_moe if (mcfg.family != "llama" and i >= mcfg.first_k_dense_replace) else inv_dense
+            inv = (
+                inv_moe
+                if (mcfg.family != "llama" and i >= mcfg.first_k_dense_replace)
+                else inv_dense
+            )
             full = layer_activation_bytes(inv, b, s, tp, sp)
             if i in recomputed:
                 act += layer_activation_bytes(inv, b, s, tp, sp, "full")
@@ -507,6 +553,11 @@ def estimate(
         # backward transient: the gradient of a layer's largest saved tensor, twice
         largest = max(x.bytes(b, s, tp, sp) for x in inv_dense + inv_moe)
         act += 2 * largest
+        if cpu_graph and mcfg.family == "llama":
+            act = mask
+            for i in layers:
+                act += cpu_graph_intermediates(mcfg, b, s, i in recomputed)[0]
+            act += cpu_graph_intermediates(mcfg, b, s, False)[1]
         comps = _static_bytes(stages[st], policy, dp, zero, micro)
         # communication: what lives during the backward (TP region all-reduces, pipeline
         # send/recv) adds to the activations; what lives at the optimizer step, after the
@@ -534,12 +585,11 @@ def estimate(
             if is_cpu
             else RUNTIME_GPU_BYTES
         )
-    graph_mode = cfg.context.mode == "graph" and not engine
     for st, comps in enumerate(comps_by_stage):
         alloc = sum(comps.values())
         comps["fragmentation reserve"] = FRAGMENTATION_SHARE * alloc
         comps["runtime"] = runtime_bytes
-        if is_cpu and graph_mode:
+        if cpu_graph:
             n_layers = len(stage_layers(mcfg.num_layers, pp, st))
             comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
         stage_tot.append(int(sum(comps.values())))
@@ -557,12 +607,24 @@ def estimate(
         usable=int(usable),
         device=dname,
         device_note=ddesc,
-        layout={"world": world, "dp": dp, "tp": tp, "pp": pp, "zero_stage": int(zero),
-                "sequence_parallel": sp, "micro_batch_size": b, "seq_length": s,
-                "micro_batches": micro, "recompute": mcfg.recompute,
-                "recompute_layers": sorted(recomputed), "most_loaded_stage": worst,
-                "compute_dtype": cdt, "param_dtype": mcfg.param_dtype,
-                "num_params": mcfg.num_params(), "family": mcfg.family},  # fmt: skip
+        layout={
+            "world": world,
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "zero_stage": int(zero),
+            "sequence_parallel": sp,
+            "micro_batch_size": b,
+            "seq_length": s,
+            "micro_batches": micro,
+            "recompute": mcfg.recompute,
+            "recompute_layers": sorted(recomputed),
+            "most_loaded_stage": worst,
+            "compute_dtype": cdt,
+            "param_dtype": mcfg.param_dtype,
+            "num_params": mcfg.num_params(),
+            "family": mcfg.family,
+        },  # fmt: skip
         per_layer_activation=per_layer,
         stage_activations=stage_act,
         stage_totals=stage_tot,
@@ -641,7 +703,43 @@ def _suggestions(cfg, est, *, nproc, device, mcfg, runtime_bytes, ranks_per_host
         except ValueError:
             continue
         out.append({"change": label, "total": e.total, "usable": e.usable, "fits": e.fits})
+    if out and not any(o["fits"] for o in out):
+        out += _combined(cfg, nproc, device, mcfg, runtime_bytes)
     return out
+
+
+def _combined(cfg, nproc, device, mcfg, runtime_bytes) -> list[dict]:
+    """None fits alone: full recompute + ZeRO-1, then doubling TP (within the KV heads),
+    then PP (within the layers), at the same number of ranks while dp allows."""
+    var = _variant(cfg, **{"recompute.mode": "full", "parallelism.zero_stage": 1})
+    steps = ["recompute.mode=full", "parallelism.zero_stage=1"]
+    world = max(nproc, 1)
+    if world == 1:
+        var.parallelism.dp = var.parallelism.tp = var.parallelism.pp = 1
+    for _ in range(16):
+        e = estimate(var, nproc=world, device=device, mcfg=_with(mcfg, var),
+                     runtime_bytes=runtime_bytes, suggest=False)  # fmt: skip
+        if e.fits:
+            break
+        p = var.parallelism
+        if p.dp % 2 == 0 and mcfg.num_kv_heads % (p.tp * 2) == 0:
+            p.dp, p.tp = p.dp // 2, p.tp * 2
+        elif p.dp % 2 == 0 and mcfg.num_layers % (p.pp * 2) == 0:
+            p.dp, p.pp = p.dp // 2, p.pp * 2
+            p.micro_batch_num = max(p.micro_batch_num, p.pp)
+        elif mcfg.num_kv_heads % (p.tp * 2) == 0:
+            p.tp, world = p.tp * 2, world * 2
+        elif mcfg.num_layers % (p.pp * 2) == 0:
+            p.pp, world = p.pp * 2, world * 2
+            p.micro_batch_num = max(p.micro_batch_num, p.pp)
+        else:
+            break
+        if var.training.global_batch_size % (var.training.micro_batch_size * p.dp):
+            break
+    p = var.parallelism
+    steps.append(f"dp={p.dp} tp={p.tp} pp={p.pp} on {world} ranks")
+    return [{"change": "together: " + ", ".join(steps), "total": e.total, "usable": e.usable,
+             "fits": e.fits}]  # fmt: skip
 
 
 def _with(mcfg, cfg):
@@ -699,13 +797,16 @@ def preflight(cfg, vocab_size: int | None, world: int, log, mcfg=None,
     """Precision check, then the estimate printed compactly to `log`; a run that would not
     fit is refused (ConfigError, exit 2) unless training.ignore_memory_estimate."""
     check_precision(cfg, mcfg)
-    est = estimate(cfg, nproc=world, vocab_size=vocab_size, mcfg=mcfg,
-                   ranks_per_host=ranks_per_host)
+    est = estimate(
+        cfg, nproc=world, vocab_size=vocab_size, mcfg=mcfg, ranks_per_host=ranks_per_host
+    )
     for line in format_table(est, compact=True).splitlines():
         log(line)
     if not est.fits:
         if getattr(cfg.training, "ignore_memory_estimate", False):
-            log("memory: the estimate exceeds the device; training.ignore_memory_estimate=true, going on")
+            log(
+                "memory: the estimate exceeds the device; training.ignore_memory_estimate=true, going on"
+            )
         else:
             raise _cfg_error(
                 f"memory: the estimate {_fmt(est.total)} per rank exceeds the usable "
