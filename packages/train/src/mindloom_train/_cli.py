@@ -1,4 +1,4 @@
-"""The `mindloom` command: train, launch, generate, export-hf, check-env, demo.
+"""The `mindloom` command: train, launch, estimate-memory, generate, export-hf, check-env, demo.
 
 Every error is one line on stderr (`error: ...`) and a non-zero exit; no tracebacks.
 """
@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=int, default=600, help="rendezvous timeout, seconds")
     p.add_argument("--stop-grace", type=float, default=300.0,
                    help="after SIGTERM/SIGINT: seconds the workers get to save before a kill")  # fmt: skip
+
+    p = sub.add_parser("estimate-memory", help="per-rank memory of a config, and whether it fits")
+    _add_config_args(p)
+    p.add_argument("--nproc", type=_positive_int, default=None,
+                   help="ranks (default: parallelism dp*tp*pp)")  # fmt: skip
+    p.add_argument("--device", default=None,
+                   help="cpu, ascend-910b2, ascend-910c, a100-80gb, h100-80gb, h200, ... "
+                   "(default: from context.device_target)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="the breakdown as JSON, for scripts")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="a step directory or a save path")

@@ -22,6 +22,7 @@ def dispatch(args) -> int:
         "export-hf": cmd_export_hf,
         "check-env": cmd_check_env,
         "demo": cmd_demo,
+        "estimate-memory": cmd_estimate_memory,
     }[args.command](args)
 
 
@@ -362,6 +363,10 @@ def _launch_locked(args, cfg, lock) -> int:
                          cfg.train_dataset.seq_length)  # fmt: skip
             except ParallelConfigError as exc:
                 raise ConfigError(f"config parallelism: {exc}") from None
+        if not cfg.model.get("init_from_hf"):  # the table; too big: exit 2, no worker starts
+            from mindloom_train._memory import preflight
+
+            preflight(cfg, tok.vocab_size, world, log, ranks_per_host=args.nproc)
         tok_path = _data.tokenizer_dir(cfg)
         _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok_path, log)
         if cfg.eval_dataset is not None:
@@ -417,3 +422,22 @@ def cmd_demo(args) -> int:
     from mindloom_train._demo import run_demo
 
     return run_demo(run_dir=Path(args.run_dir), quick=args.quick, minutes=args.minutes)
+
+
+# ---------------------------------------------------------------------------------------
+# estimate-memory
+
+
+def cmd_estimate_memory(args) -> int:
+    """The per-rank breakdown (table or JSON); exit 0 when it fits, 1 when it does not."""
+    from mindloom_train._config import load_config
+    from mindloom_train._memory import check_precision, estimate, format_table
+
+    cfg = load_config(args.config, args.overrides)
+    check_precision(cfg)
+    est = estimate(cfg, nproc=args.nproc, device=args.device)
+    if args.json:
+        print(json.dumps(est.to_json(), indent=1))
+    else:
+        print(format_table(est))
+    return 0 if est.fits else 1

@@ -110,6 +110,8 @@ class TrainingConfig:
     loss_smoothing: float = 0.9
     # Stop (completed, with the final eval and checkpoint) after this much training time
     time_limit_s: float | None = None
+    # Start even when the memory estimate (mindloom estimate-memory) exceeds the device
+    ignore_memory_estimate: bool = False
 
 
 @dataclass

@@ -676,6 +676,13 @@ class Trainer:
             code, reason = known
             self._log_error(reason)
         finally:
+            est = getattr(self, "memory_estimate", None)
+            if est is not None:  # every rank's log: the estimate against what happened
+                try:
+                    self.log(f"memory: peak RSS {peak_rss_mb():.1f} MiB on rank {self.rank}; "
+                             f"estimate {est.total / 2**20:.1f} MiB")  # fmt: skip
+                except OSError:
+                    pass
             try:  # best effort: the failure may be the metrics file itself (ENOSPC)
                 self.metrics.event("end", step=self.step, status=status, reason=reason,
                                    exit_code=code)  # fmt: skip
@@ -720,6 +727,11 @@ class Trainer:
         self.data_contract = _data.data_contract(train_prefixes, eval_prefixes, tok)
         same = "; the held-out data's match" if eval_prefixes else ""
         self.log(f"data: {_data.describe_contract(self.data_contract)}{same}")
+        from mindloom_train._memory import check_precision, preflight
+
+        check_precision(cfg)  # settings that cannot train: one line, exit 2
+        if not cfg.model.get("init_from_hf"):  # before anything is allocated (exit 2)
+            self.memory_estimate = preflight(cfg, tok.vocab_size, self.world, self.log)
         self._build_model(tok.vocab_size)
         # every token id against the model's vocabulary, before step 1 (exit 2 if not)
         _data.check_token_ids(train_prefixes + (eval_prefixes or []), self.mcfg.vocab_size)
@@ -1108,6 +1120,13 @@ class Trainer:
             self.log("profiler: trace written")
         except Exception as exc:
             self.log(f"profiler: failed to write the trace ({exc})")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (the kernel's high-water mark), MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _first_line(exc: BaseException) -> str:
