@@ -73,6 +73,19 @@ def test_export_hf_loads_in_transformers(run_a, tmp_path):
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_export_hf_refuses_to_overwrite_an_existing_output(run_a, tmp_path, capsys):
+    # issue 23 item 10: a second export into the same --out used to replace files silently
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    args = ["export-hf", "--checkpoint", str(run_a / "checkpoints"), "--out", str(out)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: export-hf: {out} exists"), err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert (out / "config.json").read_text() == "{}"
+
+
 def test_check_env_single_process(capsys):
     assert main(["check-env"]) == 0
     out = capsys.readouterr().out
