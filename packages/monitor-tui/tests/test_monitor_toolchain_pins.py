@@ -9,9 +9,10 @@ fails when a pin is loosened in hatch.toml or when the environment holds other v
 from __future__ import annotations
 
 import re
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
+
+import tomllib
 
 HATCH_TOML = Path(__file__).resolve().parents[3] / "hatch.toml"
 # what the snapshots under __snapshots__/ were recorded with
