@@ -26,8 +26,8 @@ def test_async_save_equals_sync_save(prepared, tmp_path):
         cfgs[name] = base_config(prepared, tmp_path / name, lr_scheduler=SCHED,
                                  checkpoint={"save_interval": 4, "keep_last": 3, **extra})  # fmt: skip
     assert run_config(cfgs["sync"]) == 0
-    # the writer sleeps before its first file, so the loop runs on while step 4 is written
-    assert run_config(cfgs["async"], fault="slow_save@4:1.5") == 0
+    # the writer of step 4 starts only once update 6 has begun: the loop runs on meanwhile
+    assert run_config(cfgs["async"], fault="hold_save@4:6") == 0
     a, b = tmp_path / "sync", tmp_path / "async"
     for step in (4, 8):
         for f in FILES:
@@ -37,7 +37,7 @@ def test_async_save_equals_sync_save(prepared, tmp_path):
             assert ca[key] == cb[key], key
     saved = {e["step"]: e for e in events(b, "checkpoint")}
     assert saved[4]["background"] is True
-    assert saved[4]["completed_at_step"] > 4  # training had moved on when the write finished
+    assert saved[4]["completed_at_step"] >= 6  # training had moved on when the write finished
     assert "background" not in saved[8]  # the end-of-run save is synchronous
     assert read_tracker(b / "checkpoints") == 8
     la = {s: r["loss"] for s, r in step_records(a).items()}

@@ -207,6 +207,11 @@ def cmd_generate(args) -> int:
 def cmd_export_hf(args) -> int:
     from mindloom_model import save_hf
 
+    out_dir = Path(args.out)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # another export (or anything else) there would be overwritten file by file
+        raise CommandError(f"export-hf: {out_dir} exists and is not an empty directory; "
+                           "give a new --out")  # fmt: skip
     model, ckpt = load_model(args.checkpoint)
     extra = {}
     tok_dir = ckpt.common.get("tokenizer")

@@ -11,6 +11,9 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
     MINDLOOM_FAULT="fail_save@4:2"         the save at step 4 raises ENOSPC after 2 files
     MINDLOOM_FAULT="slow_save@4:2.5"       the save at step 4 sleeps 2.5 s before its first
                                            file (an async save lets training move on meanwhile)
+    MINDLOOM_FAULT="hold_save@4:6"         the save at step 4 waits before its first file
+                                           until update 6 has begun (up to 300 s): an async
+                                           save is in flight while training moves on, by event
     MINDLOOM_FAULT="sigterm@6"             SIGTERM to this process during update 6
     MINDLOOM_FAULT="hang@3:1"              rank 1 blocks at the start of update 3 in a C call
                                            that holds the GIL (its own Python threads stop,
@@ -43,7 +46,7 @@ PAUSE_MARKER = "MINDLOOM_FAULT: paused"
 _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill", "sigint",
                "await_stop", "step_error"}  # fmt: skip
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
-_SAVE_KINDS = {"pause_save", "fail_save", "slow_save"}
+_SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save"}
 
 
 class FaultSpecError(ValueError):
@@ -81,6 +84,7 @@ class FaultInjector:
     def __init__(self, spec: str | None = None, rank: int = 0):
         self.faults = parse(os.environ.get(ENV) if spec is None else spec)
         self.rank = rank
+        self.step_begun = 0  # the last update at_step_start saw (hold_save waits on it)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -97,6 +101,7 @@ class FaultInjector:
     def at_step_start(self, step: int, stopped=lambda: False) -> None:
         """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,
         await_stop (until `stopped()`)."""
+        self.step_begun = step
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.step_fault("step_error", step):
@@ -124,6 +129,12 @@ class FaultInjector:
                 )
                 while True:  # the test kills us here
                     time.sleep(3600)
+        for f in self._hits("hold_save", step):
+            deadline = time.monotonic() + 300
+            while files_written == 0 and self.step_begun < int(f.arg or step + 1):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
         for f in self._hits("slow_save", step):
             if files_written == 0:
                 time.sleep(float(f.arg or 1.0))

@@ -574,6 +574,17 @@ class Trainer:
                 pass
         return old
 
+    def _reassert_signals(self) -> None:
+        """Set our handlers again. MindSpore installs C-level SIGINT handlers of its own as
+        each of its parts first runs (the first op, the first compiled graph, the first
+        gradient), and under msrun those turn SIGINT into SIGTERM; Python's
+        ``signal.getsignal`` still reports ours, so only setting them again restores them."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread
+                pass
+
     # ------------------------------------------------------------------ eval
 
     def evaluate(self, step: int) -> float | None:
@@ -811,6 +822,7 @@ class Trainer:
                 if cfg.profiler.enabled and step == cfg.profiler.start_step:
                     profiler = self._start_profiler()
                 t_step = time.perf_counter()
+                self._reassert_signals()  # the previous step or eval may have compiled
                 self._watch(f"step {step}", compiles="train")
                 self.fault.at_step_start(step, stopped=lambda: self._stop_signal is not None)
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
@@ -941,6 +953,7 @@ class Trainer:
                 if t.eval_interval and step % t.eval_interval == 0 and not last:
                     self._watch(f"evaluation at step {step}", compiles="eval")
                     self.evaluate(step)
+                    self._reassert_signals()
                 if stop_now if self.par is not None else self._stop_signal:
                     reason = f"{self._stop_signal} received"
                     self.log(f"run: {reason}; saving step {step} and exiting")
