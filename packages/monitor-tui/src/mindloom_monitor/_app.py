@@ -315,7 +315,8 @@ class MonitorApp(App):
                         for key in ("loss", "lr", "grad_norm", "throughput"):
                             yield MetricPlot(id=f"plot-{key}")
                 with Container(id="moe", classes="pane"):
-                    with VerticalScroll(id="moe-heat"):
+                    # not focusable: focus stays where it was in the layout without MoE
+                    with VerticalScroll(id="moe-heat", can_focus=False):
                         yield Static(id="moe-heat-text")
                     with Vertical(id="moe-plots"):
                         yield MetricPlot(id="plot-moe_imbalance")
