@@ -129,3 +129,36 @@ def append(path: Path, *records) -> None:
     with open(path, "a") as fh:
         for rec in records:
             fh.write((rec if isinstance(rec, str) else json.dumps(rec)) + "\n")
+
+
+def moe_fields(step: int, layers: int = 5, experts: int = 16, seed: int = 7) -> dict:
+    """The MoE fields a DeepSeek-V3 run adds to a metric line, shaped like the trainer's:
+    loads that start skewed (expert 3 of layer 0 gets no token before step 50) and even
+    out as the balancing bias works; imbalances are max/mean as the trainer defines them."""
+    import random
+
+    rng = random.Random(seed * 100_003 + step)
+    skew = 2.0 * math.exp(-step / 80)
+    load = []
+    for layer in range(layers):
+        raw = [math.exp(skew * rng.gauss(0, 1)) for _ in range(experts)]
+        if layer == 0 and step < 50:
+            raw[3] = 0.0
+        total = sum(raw)
+        load.append([round(x / total, 6) for x in raw])
+    sums = [sum(col) for col in zip(*load)]
+    return {
+        "mtp_loss": round(4.3 * math.exp(-step / 150) + 2.2, 4),
+        "moe_load": load,
+        "moe_imbalance": [max(r) / (sum(r) / len(r)) for r in load],
+        "moe_imbalance_overall": max(sums) / (sum(sums) / len(sums)),
+        "moe_dead_experts": sum(1 for r in load for x in r if x == 0),
+        "moe_bias_norm": round(0.001 * step**0.5, 6),
+    }
+
+
+def write_moe_run(run_dir: Path, steps: int = 120, **kw) -> Path:
+    """A DeepSeek-V3 run: every metric line carries the MoE fields."""
+    write_run(run_dir, 0, **kw)
+    append(run_dir / "metrics.jsonl", *(metric(s, **moe_fields(s)) for s in range(1, steps + 1)))
+    return run_dir

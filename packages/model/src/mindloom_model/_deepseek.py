@@ -412,12 +412,31 @@ class Experts(nn.Cell):
         self.compute_dtype = compute_dtype
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
 
+    def run_blocks(self, xs, owner):
+        # xs [nb, T, D], owner [nb] int32: block b runs expert owner[b] -> [nb, T, D]
+        cd = self.compute_dtype
+        w1 = ops.gather(self.w1, owner, 0).astype(cd)  # [nb, Fm, D]
+        w3 = ops.gather(self.w3, owner, 0).astype(cd)
+        w2 = ops.gather(self.w2, owner, 0).astype(cd)  # [nb, D, Fm]
+        hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [nb, T, Fm]
+        return self.bmm_t(hid, w2)
+
     def construct(self, xs):
         # xs [E, T, D] (each expert's tokens) -> [E, T, D]
         cd = self.compute_dtype
         w1, w2, w3 = self.w1.astype(cd), self.w2.astype(cd), self.w3.astype(cd)
         hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [E, T, Fm]
         return self.bmm_t(hid, w2)
+
+
+def _block_size(slots: int, experts: int) -> int:
+    # about half an expert's even share, a power of two in [16, 128]: the padding (at
+    # most one block per expert) stays a fraction of the routed slots, blocks stay big
+    # enough for the batched matmul
+    t = 16
+    while t < 128 and 4 * t <= slots // max(experts, 1):
+        t *= 2
+    return t
 
 
 class MoE(nn.Cell):
@@ -440,6 +459,53 @@ class MoE(nn.Cell):
         self.aux_weight = float(cfg.moe_aux_loss_weight)
         self.compute_dtype = compute_dtype
 
+    # dropless dispatch: "blocks" sorts the routed (token, expert) slots by expert into
+    # blocks of T rows, each block one expert's (k/E of the dense FLOPs plus at most a
+    # block of padding per expert); "dense" runs every expert over every token (E/k times
+    # the routed FLOPs, no gathers). Measured in benchmarks/moe_step.py.
+    dropless = "blocks"
+
+    def _dropless_dense(self, flat, combine):
+        n, d = flat.shape
+        # every expert over every token; unchosen pairs weigh 0
+        ys = self.experts(flat.expand_dims(0).broadcast_to((self.e, n, d)))  # [E, N, D]
+        # y[n] = sum_e combine[n, e] * ys[e, n]: [N, 1, E] @ [N, E, D] -> [N, 1, D]
+        y = ops.BatchMatMul()(combine.astype(ys.dtype).reshape(n, 1, self.e), ys.transpose(1, 0, 2))
+        return y.reshape(n, d)
+
+    def _dropless_blocks(self, flat, one, w):
+        """flat [N, D], one [N, k, E] one-hot choices, w [N, k] weights -> y [N, D].
+
+        Slot s = n*k + j goes to row start[e_s] + rank_s of a padded buffer [P, D], where
+        each expert's rows start at a multiple of T (counts rounded up to T), so every
+        block of T rows belongs to one expert: the experts run as one batched matmul over
+        [P/T, T, D] with each block's weights gathered. P = T*ceil(N*k/T) + E*T is static.
+        Gather-free forward scatter: a segment sum (its backward is the gather)."""
+        n, d = flat.shape
+        slots = n * self.k
+        t = _block_size(slots, self.e)
+        nb = -(-slots // t) + self.e
+        p = nb * t
+        oh = one.reshape(slots, self.e)  # [S, E] fp32 0/1, S = N*k slots
+        # rank of a slot among its expert's slots, in slot order (exclusive cumsum)
+        rank = ((ops.cumsum(oh, 0) - oh) * oh).sum(-1)  # [S]
+        counts = oh.sum(0)  # [E]
+        padded = ops.ceil(counts / t) * t
+        ends = ops.cumsum(padded, 0)  # [E]
+        starts = ends - padded
+        dest = ops.stop_gradient((oh * starts).sum(-1) + rank).astype(ms.int32)  # [S]
+        xs = flat.expand_dims(1).broadcast_to((n, self.k, d)).reshape(slots, d)
+        xs = ops.unsorted_segment_sum(xs, dest, p).reshape(nb, t, d)  # pad rows are 0
+        # block b belongs to the expert whose padded range holds row b*T; blocks past the
+        # last expert's range hold only zero rows (any expert will do: the last)
+        bstart = Tensor(np.arange(nb, dtype=np.float32) * t)
+        owner = (ops.stop_gradient(ends).expand_dims(0) <= bstart.expand_dims(1)).astype(ms.float32)
+        owner = ops.minimum(owner.sum(-1), self.e - 1).astype(ms.int32)  # [nb]
+        ys = self.experts.run_blocks(xs, owner)  # [nb, T, D]
+        ys = ops.gather(ys.reshape(p, d), dest, 0)  # [S, D]
+        y = (ys.reshape(n, self.k, d) * w.astype(ys.dtype).expand_dims(-1)).sum(1)
+        return y
+
     def construct(self, x):
         b, s, d = x.shape
         n = b * s
@@ -451,14 +517,11 @@ class MoE(nn.Cell):
         assign = one.sum(1)  # [N, E] 0/1
         combine = (one * w.expand_dims(-1)).sum(1)  # [N, E] fp32
         load = ops.stop_gradient(assign.sum(0))  # [E]
-        if self.capacity_factor is None or not self.training:
-            # dropless: every expert over every token; unchosen pairs weigh 0
-            ys = self.experts(flat.expand_dims(0).broadcast_to((self.e, n, d)))  # [E, N, D]
-            # y[n] = sum_e combine[n, e] * ys[e, n]: [N, 1, E] @ [N, E, D] -> [N, 1, D]
-            y = ops.BatchMatMul()(
-                combine.astype(ys.dtype).reshape(n, 1, self.e), ys.transpose(1, 0, 2)
-            )
-            y = y.reshape(n, d)
+        if (self.capacity_factor is None or not self.training) and self.dropless == "dense":
+            y = self._dropless_dense(flat, combine)
+            dropped = ops.zeros((), ms.float32)
+        elif self.capacity_factor is None or not self.training:
+            y = self._dropless_blocks(flat, one, w)
             dropped = ops.zeros((), ms.float32)
         else:
             cap = min(n, math.ceil(self.capacity_factor * n * self.k / self.e))

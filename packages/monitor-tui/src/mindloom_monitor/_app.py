@@ -4,6 +4,7 @@ second, and only when something changed."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -22,11 +23,14 @@ from textual.widget import Widget
 from textual.widgets import Footer, Log, RichLog, Static
 from textual_plotext import PlotextPlot
 
+from mindloom_monitor._moe import SHADES, heat_cells
 from mindloom_monitor._source import CONFIG, METRICS, Batch, RunSource, apply_batch
-from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration
+from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration, fmt_num
 
 RANGES: tuple[int | None, ...] = (None, 1000, 100)  # "all", then the last N steps
 PANES = ("plots", "events", "log")
+MOE_PANE = "moe"  # a fourth pane, offered only while the selected run has MoE fields
+PANE_LABELS = {"plots": "Plots", "events": "Events", "log": "Log", MOE_PANE: "MoE"}
 LOG_KEEP = 2000  # lines of train.log kept per run
 EVENT_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
 PALETTE = ("cyan", "orange", "green", "magenta", "blue", "red")
@@ -131,6 +135,46 @@ class MetricPlot(PlotextPlot):
             return Text(f"cannot draw this plot: {type(exc).__name__}: {exc}", style="red")
 
 
+def heat_text(data: RunData, width: int) -> Text:
+    """The expert-load heat map of a run's newest `moe_load`: one row per MoE layer,
+    one character per expert (or per group of neighbours when they do not fit), shaded
+    by the expert's share against an even share (SHADES), the row's max/mean at the
+    end, and the legend."""
+    t = Text(no_wrap=True, overflow="crop")
+    load = data.moe_load
+    if load is None:
+        t.append("no expert loads yet (moe_load)", style="dim")
+        return t
+    n_exp = len(load[0])
+    label_w = len(f"L{len(load) - 1}") + 1
+    cols, group = heat_cells(load, max(4, width - label_w - 7))
+    per = "" if group == 1 else f", {group} a cell"
+    t.append(f"step {data.moe_step}: {len(load)} layers x {n_exp} experts{per}\n")
+    ruler = [" "] * len(cols[0])
+    for i in range(0, len(ruler), 4):
+        mark = str(i * group)
+        if i + len(mark) <= len(ruler):
+            ruler[i : i + len(mark)] = mark
+    t.append(" " * label_w + "".join(ruler) + "\n", style="dim")
+    imb = data.moe_imbalance or []
+    for layer, cells in enumerate(cols):
+        t.append(f"L{layer}".ljust(label_w), style="dim")
+        for c in cells:
+            char, style, _ = SHADES[c]
+            t.append(char, style=style)
+        t.append(f" {fmt_imbalance(imb[layer])}" if layer < len(imb) else "")
+        t.append("\n")
+    for i, (char, style, what) in enumerate(SHADES):
+        t.append(char, style=style)
+        t.append(f" {what}" + ("\n" if i == 2 else "  "))
+    t.append("of an even share; max/mean", style="dim")
+    return t
+
+
+def fmt_imbalance(x: float) -> str:
+    return f"{x:.2f}" if math.isfinite(x) else fmt_num(x)
+
+
 class HeaderBar(Widget):
     """Two fixed lines. A reactive repaints only when the text changes (rich Text
     compares text and styles), and without a layout pass: `Static.update` relayouts
@@ -194,17 +238,25 @@ class MonitorApp(App):
     #plots.-waiting #waiting { display: block; }
     #plots.-waiting #plot-grid { display: none; }
     #events, #log { scrollbar-size-vertical: 1; }
+    #moe { layout: horizontal; }
+    #moe-heat { width: 1fr; height: 1fr; scrollbar-size-vertical: 1; }
+    #moe-plots { width: 1fr; height: 1fr; }
+    #moe-plots MetricPlot { height: 1fr; }
     #main.-wide #tabs { display: none; }
     #main.-wide #body { layout: grid; grid-size: 2 2; grid-rows: 2fr 1fr; }
     #main.-wide .pane { display: block; border: round $panel-lighten-2; }
     #main.-wide #plots { column-span: 2; border: none; }
     #main.-wide .pane:focus { border: round $accent; }
+    #main.-wide #moe { display: none; }
+    #main.-wide.-moe #body { grid-size: 2 3; grid-rows: 3fr 2fr 1fr; }
+    #main.-wide.-moe #moe { display: block; column-span: 2; border: none; }
     """
     BINDINGS = [
         Binding("tab", "next_pane", "Pane", priority=True),
         Binding("1", "pane('plots')", "Plots", show=False),
         Binding("2", "pane('events')", "Events", show=False),
         Binding("3", "pane('log')", "Log", show=False),
+        Binding("4", "pane('moe')", "MoE", show=False),
         Binding("r", "cycle_range", "Range"),
         Binding("p", "toggle_follow", "Pause"),
         Binding("space", "toggle_follow", "Pause", show=False),
@@ -262,6 +314,13 @@ class MonitorApp(App):
                     with Grid(id="plot-grid"):
                         for key in ("loss", "lr", "grad_norm", "throughput"):
                             yield MetricPlot(id=f"plot-{key}")
+                with Container(id="moe", classes="pane"):
+                    # not focusable: focus stays where it was in the layout without MoE
+                    with VerticalScroll(id="moe-heat", can_focus=False):
+                        yield Static(id="moe-heat-text")
+                    with Vertical(id="moe-plots"):
+                        yield MetricPlot(id="plot-moe_imbalance")
+                        yield MetricPlot(id="plot-mtp_loss")
                 events = RichLog(id="events", classes="pane", max_lines=2000, wrap=False)
                 events.border_title = "events"
                 yield events
@@ -310,6 +369,7 @@ class MonitorApp(App):
             self.loaded += 1
         elif message.batch.records:
             data.seen(self.clock())
+        self._sync_moe()
         self.batches += 1
         self._update_header()
         self._schedule_redraw()
@@ -373,16 +433,31 @@ class MonitorApp(App):
         for header in self.query("#header").results(HeaderBar):  # absent while shutting down
             header.show(self._header_text())
 
+    @property
+    def panes(self) -> tuple[str, ...]:
+        return PANES + (MOE_PANE,) if self.runs[self.selected].has_moe else PANES
+
+    def _sync_moe(self) -> None:
+        """Offer the MoE pane while the selected run has MoE fields (and only then)."""
+        has = self.runs[self.selected].has_moe
+        main = self.query("#main")
+        if not main or main.first().has_class("-moe") == has:
+            return
+        main.first().set_class(has, "-moe")
+        if not has and self.pane == MOE_PANE:
+            self.pane = "plots"
+        self._update_tabs()
+
     def _update_tabs(self) -> None:
         parts = []
-        for i, pane in enumerate(PANES, 1):
-            label = f"{i} {pane.capitalize()}"
+        for i, pane in enumerate(self.panes, 1):
+            label = f"{i} {PANE_LABELS[pane]}"
             if pane == self.pane:
                 parts.append(f"[reverse][@click=app.pane('{pane}')] {label} [/][/]")
             else:
                 parts.append(f"[@click=app.pane('{pane}')] {label} [/]")
         self.query_one("#tabs", Static).update("".join(parts))
-        for pane in PANES:
+        for pane in (*PANES, MOE_PANE):
             self.query_one(f"#{pane}").set_class(pane == self.pane, "-active")
 
     def _schedule_redraw(self) -> None:
@@ -465,6 +540,24 @@ class MonitorApp(App):
         self.query_one("#plot-lr", MetricPlot).draw("learning rate", lr)
         self.query_one("#plot-grad_norm", MetricPlot).draw("grad norm", grad)
         self.query_one("#plot-throughput", MetricPlot).draw(thr_title, thr)
+        if any(data.has_moe for _, data in runs):
+            self._draw_moe(runs, n, buckets)
+
+    def _draw_moe(self, runs, n, buckets) -> None:
+        imb, mtp = [], []
+        for i, data in runs:
+            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
+            name = data.name if self.overlay else ""
+            imb.append(
+                (name, *data.view("moe_imbalance_overall", n, buckets), "left", color, "line")
+            )
+            mtp.append((name, *data.view("mtp_loss", n, buckets), "left", color, "line"))
+        self.query_one("#plot-moe_imbalance", MetricPlot).draw("expert load max/mean, overall", imb)
+        self.query_one("#plot-mtp_loss", MetricPlot).draw("MTP loss", mtp)
+        # the heat map takes half the width in both layouts; from the app's size, since a
+        # hidden pane has none
+        width = self.size.width // 2 - 2
+        self.query_one("#moe-heat-text", Static).update(heat_text(self.runs[self.selected], width))
 
     def _format_event(self, ev) -> Text:
         where = f"{ev.step:>7}" if ev.step is not None else "      -"
@@ -500,13 +593,16 @@ class MonitorApp(App):
 
     # --- actions -----------------------------------------------------------------------
     def action_pane(self, pane: str) -> None:
+        if pane not in self.panes:
+            return
         self.pane = pane
         self._update_tabs()
         if pane != "plots":
             self.query_one(f"#{pane}").focus()
 
     def action_next_pane(self) -> None:
-        self.action_pane(PANES[(PANES.index(self.pane) + 1) % len(PANES)])
+        panes = self.panes
+        self.action_pane(panes[(panes.index(self.pane) + 1) % len(panes)])
 
     def action_cycle_range(self) -> None:
         if self.custom_range is not None:
@@ -530,6 +626,7 @@ class MonitorApp(App):
 
     def action_next_run(self) -> None:
         self.selected = (self.selected + 1) % len(self.runs)
+        self._sync_moe()
         self._update_header()
         self._full_redraw()
 

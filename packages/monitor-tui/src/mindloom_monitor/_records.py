@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from mindloom_monitor._moe import MOE_SCALARS, BadMoE, parse_moe
+
 # Numeric fields the monitor plots or summarises; other numeric fields are kept in
 # `Metric.fields` too (shown by --once), non-numeric unknown fields are ignored.
 KNOWN_FIELDS = (
@@ -28,17 +30,22 @@ KNOWN_FIELDS = (
     "data_wait_frac",
     "mem_rss_mb",
     "skipped_steps",
+    *MOE_SCALARS,
 )
+_MOE_KEYS = frozenset((*MOE_SCALARS, "moe_load", "moe_imbalance"))
 
 
 @dataclass(slots=True)
 class Metric:
     """One logging step. `fields` maps a name to a float; non-finite values (JSON null,
-    NaN, Infinity) are kept as float nan/inf so detectors can see them."""
+    NaN, Infinity) are kept as float nan/inf so detectors can see them. A MoE run's
+    lines also carry the expert-load table and per-layer imbalances (see _moe.py)."""
 
     step: int
     time: float | None
     fields: dict[str, float]
+    moe_load: list[list[float]] | None = None
+    moe_imbalance: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +104,12 @@ def parse_obj(obj: object) -> Record | None:
     step = _step(obj.get("step"))
     if step is None:
         return None
+    moe_load = moe_imbalance = None
+    if not _MOE_KEYS.isdisjoint(obj):
+        try:
+            moe_load, moe_imbalance = parse_moe(obj)
+        except BadMoE:  # a writer that gets these wrong is broken: the line is counted
+            return None
     fields: dict[str, float] = {}
     for key, value in obj.items():
         if key in ("step", "time"):
@@ -104,7 +117,7 @@ def parse_obj(obj: object) -> Record | None:
         number = _number(value)
         if number is not None:
             fields[key] = number
-    return Metric(step=step, time=_time(obj.get("time")), fields=fields)
+    return Metric(step, _time(obj.get("time")), fields, moe_load, moe_imbalance)
 
 
 def parse_line(line: bytes | str) -> Record | None:

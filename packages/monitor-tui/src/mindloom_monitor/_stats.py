@@ -16,11 +16,12 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
+from mindloom_monitor._moe import imbalance, overall_imbalance
 from mindloom_monitor._records import Event, Metric, Record
 
 MAX_EVENTS = 20_000  # per run; the oldest half is dropped beyond this
 # Series kept per run, in plotting order.
-SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mtp_loss", "moe_imbalance_overall")
 
 
 @dataclass(slots=True)
@@ -136,6 +137,11 @@ class RunData:
         self._skipped_steps = 0
         self._stalled = False
         self._tokens: float | None = None
+        # MoE runs (DeepSeek-V3): the newest expert-load table and per-layer imbalances
+        self.has_moe = False
+        self.moe_load: list[list[float]] | None = None
+        self.moe_imbalance: list[float] | None = None
+        self.moe_step: int | None = None
 
     # --- feeding -------------------------------------------------------------------
     def add_skipped(self, n: int) -> None:
@@ -289,6 +295,8 @@ class RunData:
             self._tokens = f["tokens"]
         self.steps.append(m.step)
         self.times.append(m.time if m.time is not None else math.nan)
+        if m.moe_load is not None or m.moe_imbalance is not None or "mtp_loss" in f:
+            self._add_moe(m)
         for key in SERIES:
             self.series[key].append(f.get(key, math.nan))
         loss = f.get("loss")
@@ -310,6 +318,19 @@ class RunData:
                 pass
         if len(self.steps) > self.settings.max_points:
             self._thin()
+
+    def _add_moe(self, m: Metric) -> None:
+        self.has_moe = True
+        f = m.fields
+        if m.moe_load is not None:
+            self.moe_load = m.moe_load
+            self.moe_step = m.step
+            self.moe_imbalance = m.moe_imbalance or [imbalance(row) for row in m.moe_load]
+            if "moe_imbalance_overall" not in f:  # derivable: plot it all the same
+                f["moe_imbalance_overall"] = overall_imbalance(m.moe_load)
+        elif m.moe_imbalance is not None:
+            self.moe_imbalance = m.moe_imbalance
+            self.moe_step = m.step
 
     def _detect(self, m: Metric) -> None:
         s = self.settings

@@ -56,6 +56,49 @@ def text_plot(xs: list, ys: list, width: int = 60, height: int = 8) -> list[str]
     return out
 
 
+def _latest(data: RunData, key: str) -> tuple[int, float] | None:
+    """(step, value) of `key` on the newest line that has it: the last line's own value
+    (a null there is news), else the newest finite point of its series."""
+    if data.last is not None and key in data.last.fields:
+        return data.last.step, data.last.fields[key]
+    values = data.series.get(key, [])
+    for i in range(len(values) - 1, -1, -1):
+        if not math.isnan(values[i]):
+            return data.steps[i], values[i]
+    return None
+
+
+def moe_summary(data: RunData) -> list[str]:
+    """The MoE lines of --once: imbalance overall and per layer, dead experts, bias norm,
+    the newest MTP (and balance) loss. Nothing for a run without MoE fields."""
+    if not data.has_moe:
+        return []
+    out = []
+    if data.moe_imbalance is not None:
+        overall = _latest(data, "moe_imbalance_overall")
+        head = f"moe (step {data.moe_step}): imbalance max/mean overall "
+        head += fmt_num(overall[1]) if overall else "-"
+        last = data.last.fields if data.last is not None else {}
+        if data.last is not None and data.last.step == data.moe_step:
+            for key, label in (
+                ("moe_dead_experts", "dead experts"),
+                ("moe_bias_norm", "bias norm"),
+            ):
+                if key in last:
+                    head += f"  {label} {fmt_num(last[key])}"
+        out.append(head)
+        per = "  ".join(
+            f"L{i} {v:.3f}" if math.isfinite(v) else f"L{i} {fmt_num(v)}"
+            for i, v in enumerate(data.moe_imbalance)
+        )
+        out.append(f"  per layer: {per}")
+    for key, label in (("mtp_loss", "MTP loss"), ("balance_loss", "balance loss")):
+        latest = _latest(data, key)
+        if latest is not None:
+            out.append(f"{label} (step {latest[0]}): {fmt_num(latest[1])}")
+    return out
+
+
 def summary(data: RunData, now: float, events: int = 10) -> str:
     lines = [f"run: {data.name}  ({data.run_dir})"]
     status = data.status()
@@ -85,6 +128,7 @@ def summary(data: RunData, now: float, events: int = 10) -> str:
     smoothed = data.smoothed[-1] if data.smoothed else math.nan
     parts.insert(1 if "loss" in f else 0, f"smoothed {fmt_num(smoothed)}")
     lines.append(f"last metrics (step {step}): " + "  ".join(parts))
+    lines.extend(moe_summary(data))
     if data.evals:
         s, loss, ppl = data.evals[-1]
         lines.append(f"last eval (step {s}): loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")

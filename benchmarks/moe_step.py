@@ -1,0 +1,335 @@
+"""The compiled DeepSeek-V3 (MoE) train step vs PyTorch eager, next to the Llama step.
+
+    ./dev bench benchmarks/moe_step.py [--threads 2] [--steps 5] [--rounds 2]
+        [--moe-batch 4] [--llama-preset 17m] [--llama-batch 4] [--capacity 1.25]
+
+Two worker processes, one per framework, each in its default threading environment
+(thread pools pinned to --threads; OMP_WAIT_POLICY left unset, torch's default: forcing
+PASSIVE on it slows torch ~1.6x on this machine). The parent interleaves them round by
+round (mindspore, then torch, for every model), so both see the same machine load;
+the worker not being timed sleeps on its pipe. Medians over all timed steps.
+
+mindspore side, all compiled in GRAPH_MODE through mindloom_train's TrainStep (the step
+`mindloom train` runs: forward, backward, global grad-norm clip at 1.0, the guard,
+fused AdamW), as benchmarks/train_step.py does for Llama:
+  llama         the Llama preset (benchmarks/train_step.py's batch, packed documents)
+  moe           deepseek-v3-small without MTP, dropless dispatch (the default: routed
+                slots sorted by expert into blocks, one batched matmul over the blocks)
+  moe-dense     the same, dropless by running every expert over every token
+  moe-capacity  the same with moe_capacity_factor (gathered tokens, overflow dropped)
+  moe+mtp       deepseek-v3-small as preset (dropless, one MTP depth): not in a ratio
+torch side, eager, torch.optim.AdamW after clip_grad_norm_(1.0):
+  llama         benchmarks/train_step.py's PyTorch Llama
+  moe           transformers' DeepseekV3ForCausalLM built from deepseek-v3-small through
+                mindloom_model's Hugging Face config mapping (it has no MTP: hence the
+                ratio is taken without MTP on both sides)
+
+Ratios are mindspore tokens/s over torch tokens/s for the same architecture. MFU counts
+active FLOPs only (ModelConfig.flops_per_token: routed experts that a token uses, MLA,
+MTP where on) against the best fp32 square matmul of NumPy/torch/MindSpore measured
+here at the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# benchmarks/ holds scripts (tokenize.py) that shadow standard modules: never on the path
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
+TAG = "@@moe_step "  # protocol lines between parent and workers; anything else is noise
+MS_KEYS = ("llama", "moe", "moe-dense", "moe-capacity", "moe+mtp")
+TORCH_KEYS = ("llama", "moe")
+PAIRS = (("llama", "llama"), ("moe", "moe"), ("moe-dense", "moe"), ("moe-capacity", "moe"))
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--moe-batch", type=int, default=4)
+    p.add_argument("--llama-preset", default="17m")
+    p.add_argument("--llama-batch", type=int, default=4)
+    p.add_argument("--capacity", type=float, default=1.25, help="moe-capacity's factor")
+    p.add_argument("--only", default="", help="comma list of mindspore keys (default all)")
+    p.add_argument("--worker", choices=("mindspore", "torch"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def train_step_module():
+    """benchmarks/train_step.py (not a package): its batch, torch Llama and ceiling."""
+    spec = importlib.util.spec_from_file_location(
+        "_train_step_bench", os.path.join(HERE, "train_step.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def moe_config(name="deepseek-v3-small", **over):
+    from mindloom_model import get_preset
+
+    return dataclasses.replace(get_preset(name), **over)
+
+
+def say(kind, payload):
+    print(TAG + kind + " " + json.dumps(payload), flush=True)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def mindspore_models(args, tsb):
+    import mindspore as ms
+    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, Llama, LlamaWithLoss, get_preset
+    from mindloom_model._deepseek import MoE
+    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindspore import Tensor, nn
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
+
+    class TotalLoss(nn.Cell):
+        """DeepseekV3WithLoss's first output: TrainStep differentiates a scalar loss."""
+
+        def __init__(self, net):
+            super().__init__(auto_prefix=False)
+            self.net = net
+
+        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
+            return self.net(tokens, labels, position_ids, segment_ids, loss_mask)[0]
+
+    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+    wanted = [k for k in MS_KEYS if not args.only or k in args.only.split(",")]
+    out = {}
+    for key in wanted:
+        if key == "llama":
+            cfg = get_preset(args.llama_preset)
+            net, batch = LlamaWithLoss(Llama(cfg)), args.llama_batch
+            data = tsb.make_batch(cfg, batch, segments=True)
+        else:
+            over = {"moe_capacity_factor": args.capacity} if key == "moe-capacity" else {}
+            if key != "moe+mtp":
+                over["num_nextn_predict_layers"] = 0
+            cfg = moe_config(**over)
+            model = DeepseekV3(cfg, seed=0)
+            for cell in model.cells_and_names():
+                if isinstance(cell[1], MoE):  # read when the graph is built
+                    cell[1].dropless = "dense" if key == "moe-dense" else "blocks"
+            net, batch = TotalLoss(DeepseekV3WithLoss(model)), args.moe_batch
+            # plain causal rows: the transformers peer takes no packed-document mask
+            data = tsb.make_batch(cfg, batch, segments=False)
+        weights = ms.ParameterTuple(net.trainable_params())
+        step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
+        step.set_train(True)
+        inputs = [Tensor(data[k]) for k in keys]
+
+        def run(step=step, inputs=inputs):
+            return float(step(*inputs, hyper)[0].asnumpy())
+
+        t = time.perf_counter()
+        loss = run()
+        compile_s = time.perf_counter() - t
+        ntok = batch * cfg.max_seq_len
+        print(
+            f"[mindspore] {key}: compiled and ran one step in {compile_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        out[key] = (run, ntok, cfg.flops_per_token(cfg.max_seq_len) * ntok,
+                    {"compile_s": compile_s, "first_loss": loss, "batch": batch,
+                     "params_m": cfg.num_params() / 1e6})  # fmt: skip
+    return out
+
+
+def torch_models(args, tsb):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from mindloom_model import get_preset
+    from mindloom_model._hf_deepseek import deepseek_hf_config
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    out = {}
+
+    def as_torch(data, keys):
+        return [torch.from_numpy(data[k]).long() if data[k].dtype == np.int32
+                else torch.from_numpy(data[k]) for k in keys]  # fmt: skip
+
+    cfg = get_preset(args.llama_preset)
+    data = tsb.make_batch(cfg, args.llama_batch, segments=True)
+    lm = tsb.torch_llama(cfg)
+    lm_in = as_torch(data, ("tokens", "position_ids", "segment_ids", "labels", "loss_mask"))
+    out["llama"] = (lm, lambda m=lm, i=lm_in: m(*i), args.llama_batch * cfg.max_seq_len, cfg)
+
+    cfg = moe_config(num_nextn_predict_layers=0)
+    hf = transformers.DeepseekV3Config(**deepseek_hf_config(cfg))
+    moe = transformers.DeepseekV3ForCausalLM(hf)
+    moe.train()
+    data = tsb.make_batch(cfg, args.moe_batch, segments=False)
+    tokens, pos, labels = as_torch(data, ("tokens", "position_ids", "labels"))
+
+    def moe_loss(m=moe):
+        logits = m(input_ids=tokens, position_ids=pos).logits.float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+    out["moe"] = (moe, moe_loss, args.moe_batch * cfg.max_seq_len, cfg)
+    runs = {}
+    for key, (model, loss_fn, ntok, c) in out.items():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+        def run(model=model, loss_fn=loss_fn, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return loss.item()
+
+        t = time.perf_counter()
+        info = {"first_loss": run(), "batch": ntok // c.max_seq_len}
+        print(
+            f"[torch] {key}: first step {time.perf_counter() - t:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if key == "moe":
+            info["attn_implementation"] = hf._attn_implementation
+        runs[key] = (run, ntok, c.flops_per_token(c.max_seq_len) * ntok, info)
+    return runs
+
+
+def worker(args) -> int:
+    tsb = train_step_module()
+    models = mindspore_models(args, tsb) if args.worker == "mindspore" else torch_models(args, tsb)
+    for run, _, _, _ in models.values():
+        for _ in range(args.warmup):
+            run()
+    say("ready", {k: {"ntok": v[1], "flops": v[2], **v[3]} for k, v in models.items()})
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        key, n = cmd[1], int(cmd[2])
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            models[key][0]()
+            times.append(time.perf_counter() - t)
+        say("times", times)
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+class Worker:
+    def __init__(self, fw, argv, env):
+        self.fw = fw
+        cmd = [sys.executable, "-P", os.path.abspath(__file__), "--worker", fw, *argv]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
+
+    def read(self, kind):
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                got, payload = line[len(TAG) :].split(" ", 1)
+                assert got == kind, (got, kind)
+                return json.loads(payload)
+            sys.stderr.write(f"[{self.fw}] {line}")
+        raise SystemExit(f"error: the {self.fw} worker exited ({self.proc.wait()})")
+
+    def steps(self, key, n):
+        self.proc.stdin.write(f"run {key} {n}\n")
+        self.proc.stdin.flush()
+        return self.read("times")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    if args.worker:
+        return worker(args)
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(args.threads)
+    env.pop("OMP_WAIT_POLICY", None)  # each framework's own default
+    env.setdefault("GLOG_v", "3")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on"
+          f" {os.cpu_count()} CPUs; {args.threads} threads per framework, one process each;"
+          f" OMP_WAIT_POLICY unset")  # fmt: skip
+    ceiling = json.loads(subprocess.run(
+        [sys.executable, "-P", "-c", "import json,sys; sys.path.insert(0, sys.argv[1]);"
+         " import train_step as t; c, r = t.matmul_ceiling(); print(json.dumps([c, r]))", HERE],
+        env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])  # fmt: skip
+    peak, per_lib = ceiling
+    libs = "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
+    print(f"fp32 matmul ceiling ({args.threads} threads): {peak:.1f} GFLOP/s  ({libs})", flush=True)
+    workers = {fw: Worker(fw, argv, env) for fw in ("mindspore", "torch")}
+    try:
+        info = {fw: w.read("ready") for fw, w in workers.items()}
+        for fw, models in info.items():
+            for key, i in models.items():
+                extra = {k: (round(v, 3) if isinstance(v, float) else v)
+                         for k, v in i.items() if k not in ("ntok", "flops")}  # fmt: skip
+                print(f"  {fw:9} {key:13} {extra}")
+        times = {fw: {k: [] for k in info[fw]} for fw in workers}
+        for r in range(args.rounds):
+            for key in MS_KEYS:
+                for fw, w in workers.items():
+                    if key in info[fw]:
+                        time.sleep(0.2)  # let the other process's pool go idle first
+                        times[fw][key] += w.steps(key, args.steps)
+            print(f"  round {r + 1}/{args.rounds} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    print(f"{'framework':10} {'model':13} {'batch':>5} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6}")
+    med = {}
+    for fw in workers:
+        for key, ts in times[fw].items():
+            med[fw, key] = statistics.median(ts)
+            i = info[fw][key]
+            mfu = i["flops"] / med[fw, key] / (peak * 1e9)
+            print(f"{fw:10} {key:13} {i['batch']:>5} {med[fw, key] * 1e3:9.1f}"
+                  f" {i['ntok'] / med[fw, key]:9.0f} {mfu:6.2%}")  # fmt: skip
+    ratios = {}
+    for ms_key, t_key in PAIRS:
+        if ("mindspore", ms_key) in med and ("torch", t_key) in med:
+            ntm, ntt = info["mindspore"][ms_key]["ntok"], info["torch"][t_key]["ntok"]
+            ratios[ms_key] = (ntm / med["mindspore", ms_key]) / (ntt / med["torch", t_key])
+            print(
+                f"ratio mindspore/torch tokens/s, {ms_key} vs torch {t_key}: {ratios[ms_key]:.2f}x"
+            )
+    if "llama" in ratios:
+        for key in ("moe", "moe-dense", "moe-capacity"):
+            if key in ratios:
+                verdict = "meets" if ratios[key] >= ratios["llama"] else "below"
+                print(
+                    f"{key}: ratio {ratios[key]:.2f}x vs llama {ratios['llama']:.2f}x -> {verdict} the target"
+                )
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
