@@ -5,8 +5,8 @@ MindSpore's dropout kernels keep their random state inside the compiled kernel, 
 bit is a hash of a key and the element's index, computed with uint32 ops inside the
 compiled graph (uint32 multiplication wraps modulo 2**32 by definition, so no masking is
 needed; the CPU backend has Mul, BitwiseXor and RightShift for uint32). A resumed run that
-feeds the same (seed, step, micro-batch) key draws the same masks, bit for bit, and a
-recomputed layer (``recompute``) redraws the mask it used in the forward.
+feeds the same (seed, step, micro-batch) key draws the same masks, bit for bit (no
+random state has to be saved: the key is the config seed and the restored step).
 
 The hash (the NumPy reference in the tests re-implements it from this description):
 

@@ -108,7 +108,7 @@ class TrainStep(_Base):
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
         loss, grads = self._grads(
-            tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey
+            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
         )
         # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
         # unscaling multiplier `inv` is folded into the clip factor, so each gradient is

@@ -858,7 +858,9 @@ class Trainer:
                     )
                 else:
                     dkey = self._dropout_key(step, self.accum - 1)
-                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(*self._tensors(batch), hyper, dkey)
+                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(
+                        *self._tensors(batch), hyper, dkey
+                    )
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
                     ok = bool(ok_t.asnumpy())
                     if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
