@@ -8,6 +8,7 @@ from mindloom_model._deepseek import (
     update_expert_bias,
     yarn_inv_freq,
 )
+from mindloom_model._dropout import CounterDropout, dropout_key, dropout_site
 from mindloom_model._generate import generate
 from mindloom_model._hf import HFFormatError, load_hf, save_hf
 from mindloom_model._llama import (
@@ -22,6 +23,7 @@ from mindloom_model._llama import (
 )
 
 __all__ = [
+    "CounterDropout",
     "DeepseekV3",
     "DeepseekV3WithLoss",
     "HFFormatError",
@@ -31,6 +33,8 @@ __all__ = [
     "__version__",
     "attention_bias",
     "causal_lm_loss",
+    "dropout_key",
+    "dropout_site",
     "generate",
     "get_preset",
     "load_hf",

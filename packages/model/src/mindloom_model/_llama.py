@@ -33,6 +33,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindloom_model._dropout import CounterDropout, dropout_site
+
 log = logging.getLogger("mindloom_model")
 
 _DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
@@ -538,13 +540,14 @@ def attention_bias(seq_len: int, segment_ids=None, causal=None):
     return ops.stop_gradient(bias.expand_dims(1))
 
 
-def attention(q, k, v, bias, n_rep: int, dropout=None, scale=None):
+def attention(q, k, v, bias, n_rep: int, dropout=None, scale=None, dropout_key=None):
     """Scaled dot-product attention, softmax in fp32.
 
     q [B, H, S, Dh], k/v [B, KV, T, Dh] (T = S, or the cache size in generation),
     bias [B|1, 1, S, T] additive fp32 -> [B, H, S, Dh] in q's dtype.
     Grouped-query: query head h reads kv head h // n_rep (Hugging Face's repeat_kv).
     scale: None = 1/sqrt(Dh); pass 1.0 when q is already scaled (Attention does).
+    dropout_key: the counter-based dropout's key (see CounterDropout), None = stateful.
     """
     if n_rep > 1:
         b, kv, t, dh = k.shape
@@ -557,7 +560,8 @@ def attention(q, k, v, bias, n_rep: int, dropout=None, scale=None):
         scores = scores * scale
     probs = _softmax(scores + bias).astype(q.dtype)
     if dropout is not None:
-        probs = dropout(probs)
+        # without a key, any dropout cell (DeepSeek's nn.Dropout too) is called as before
+        probs = dropout(probs) if dropout_key is None else dropout(probs, dropout_key)
     return ops.BatchMatMul()(probs, v)  # [B, H, S, Dh]
 
 
@@ -576,8 +580,15 @@ def _use_flash(cfg: ModelConfig) -> bool:
     return False
 
 
+def _dropout(cfg: ModelConfig, site: int) -> CounterDropout | None:
+    # dropout 0 builds no cell, so the graph has no extra ops
+    return CounterDropout(cfg.dropout, site) if cfg.dropout > 0 else None
+
+
 class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype):
+    def __init__(
+        self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype, layer_id=0
+    ):
         super().__init__()
         d, dh = cfg.hidden_size, cfg.head_dim
         # local head counts: a tensor-parallel wrapper divides these by tp
@@ -591,7 +602,7 @@ class Attention(nn.Cell):
         self.wk = lin(d, cfg.num_kv_heads * dh, cfg.init_std)
         self.wv = lin(d, cfg.num_kv_heads * dh, cfg.init_std)
         self.wo = lin(cfg.num_heads * dh, d, out_std)
-        self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.attn_dropout = _dropout(cfg, dropout_site(layer_id, "attn_probs"))
         self.flash = _use_flash(cfg)
 
     def qkv(self, x, cos, sin, q_scale=1.0):
@@ -613,14 +624,15 @@ class Attention(nn.Cell):
         b, h, s, dh = o.shape
         return self.wo(o.transpose(0, 2, 1, 3).reshape(b, s, h * dh))
 
-    def construct(self, x, cos, sin, bias):
+    def construct(self, x, cos, sin, bias, dropout_key=None):
         # x [B, S, D] -> [B, S, D]
         if self.flash:
             q, k, v = self.qkv(x, cos, sin)
             o = _flash_attention(q, k, v, bias, self.n_heads)
         else:
             q, k, v = self.qkv(x, cos, sin, self.scale)
-            o = attention(q, k, v, bias, self.n_heads // self.n_kv_heads, self.attn_dropout, 1.0)
+            n_rep = self.n_heads // self.n_kv_heads
+            o = attention(q, k, v, bias, n_rep, self.attn_dropout, 1.0, dropout_key)
         return self.out(o)
 
 
@@ -657,23 +669,26 @@ class MLP(nn.Cell):
 class Block(nn.Cell):
     """Pre-norm transformer block: x + attn(norm(x)); x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype):
+    def __init__(
+        self, cfg: ModelConfig, rng: np.random.Generator, param_dtype, compute_dtype, layer_id=0
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.attn = Attention(cfg, rng, param_dtype, compute_dtype)
+        self.attn = Attention(cfg, rng, param_dtype, compute_dtype, layer_id)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         self.mlp = MLP(cfg, rng, param_dtype, compute_dtype)
-        self.resid_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.resid_dropout = _dropout(cfg, dropout_site(layer_id, "attn_out"))
+        self.mlp_dropout = _dropout(cfg, dropout_site(layer_id, "mlp_out"))
 
-    def construct(self, x, cos, sin, bias):
+    def construct(self, x, cos, sin, bias, dropout_key=None):
         # x [B, S, D]
-        h = self.attn(self.attn_norm(x), cos, sin, bias)
+        h = self.attn(self.attn_norm(x), cos, sin, bias, dropout_key)
         if self.resid_dropout is not None:
-            h = self.resid_dropout(h)
+            h = self.resid_dropout(h, dropout_key)
         x = x + h
         h = self.mlp(self.mlp_norm(x))
-        if self.resid_dropout is not None:
-            h = self.resid_dropout(h)
+        if self.mlp_dropout is not None:
+            h = self.mlp_dropout(h, dropout_key)
         return x + h
 
 
@@ -694,9 +709,9 @@ class Llama(nn.Cell):
         d, v = cfg.hidden_size, cfg.vocab_size
 
         self.embed = Embedding(_normal(rng, (v, d), embed_std), param_dtype, compute_dtype)
-        self.embed_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.embed_dropout = _dropout(cfg, dropout_site(None))
         self.layers = nn.CellList(
-            [Block(cfg, rng, param_dtype, compute_dtype) for _ in range(cfg.num_layers)]
+            [Block(cfg, rng, param_dtype, compute_dtype, i) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype)
         self.tie_embeddings = cfg.tie_embeddings
@@ -710,7 +725,9 @@ class Llama(nn.Cell):
         for i in recompute_layer_ids(cfg):
             self.layers[i].recompute()
 
-    def construct(self, tokens, position_ids=None, segment_ids=None):
+    def construct(self, tokens, position_ids=None, segment_ids=None, dropout_key=None):
+        # dropout_key: uint32[2] from dropout_key(seed, step, micro_batch) -> masks that a
+        # resumed run redraws exactly; None -> MindSpore's stateful dropout (training only)
         b, s = tokens.shape
         if position_ids is None:
             position_ids = self.positions[:, :s]  # [1, S]
@@ -720,9 +737,9 @@ class Llama(nn.Cell):
         bias = attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
         x = self.embed(tokens)  # [B, S, D]
         if self.embed_dropout is not None:
-            x = self.embed_dropout(x)
+            x = self.embed_dropout(x, dropout_key)
         for layer in self.layers:
-            x = layer(x, cos, sin, bias)
+            x = layer(x, cos, sin, bias, dropout_key)
         x = self.norm(x)
         return self.head(x)
 
@@ -772,12 +789,15 @@ def causal_lm_loss(logits, labels, loss_mask=None):
 
 
 class LlamaWithLoss(nn.Cell):
-    """The train-step forward: (tokens, labels, position_ids, segment_ids, loss_mask) -> loss."""
+    """The train-step forward: (tokens, labels, position_ids, segment_ids, loss_mask,
+    dropout_key) -> loss."""
 
     def __init__(self, model: nn.Cell):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.model = model
 
-    def construct(self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None):
-        logits = self.model(tokens, position_ids, segment_ids)
+    def construct(
+        self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None, dropout_key=None
+    ):
+        logits = self.model(tokens, position_ids, segment_ids, dropout_key)
         return causal_lm_loss(logits, labels, loss_mask)

@@ -41,12 +41,15 @@ def decay_flags(params, decay_embeddings: bool) -> list[float]:
 
 
 class _Base(nn.Cell):
-    def _grads(self, tokens, labels, position_ids, segment_ids, loss_mask, scale):
-        loss = self.loss_net(tokens, labels, position_ids, segment_ids, loss_mask)
+    def _grads(self, tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey=None):
+        # dkey: mindloom_model.dropout_key(seed, step, micro-batch), None without dropout
+        # (then the loss net sees exactly the five inputs it always had)
+        args = (tokens, labels, position_ids, segment_ids, loss_mask)
+        if dkey is not None:
+            args = args + (dkey,)
+        loss = self.loss_net(*args)
         sens = ops.fill(loss.dtype, (), 1.0) * scale
-        grads = self.grad(self.loss_net, self.weights)(
-            tokens, labels, position_ids, segment_ids, loss_mask, sens
-        )
+        grads = self.grad(self.loss_net, self.weights)(*args, sens)
         return loss, grads
 
 
@@ -60,9 +63,9 @@ class AccumStep(_Base):
         self.acc = acc
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
 
-    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper):
+    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         loss, grads = self._grads(
-            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE]
+            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
         )
         for i in range(len(self.acc)):
             loss = ops.depend(loss, ops.assign_add(self.acc[i], grads[i].astype(ms.float32)))
@@ -102,9 +105,11 @@ class TrainStep(_Base):
         self.grad_reducer = grad_reducer
         self.loss_reducer = loss_reducer
 
-    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper):
+    def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
-        loss, grads = self._grads(tokens, labels, position_ids, segment_ids, loss_mask, scale)
+        loss, grads = self._grads(
+            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
+        )
         # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
         # unscaling multiplier `inv` is folded into the clip factor, so each gradient is
         # multiplied once, and its squared norm is a [1, n] x [n, 1] matmul (MindSpore's

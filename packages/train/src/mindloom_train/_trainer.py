@@ -706,6 +706,15 @@ class Trainer:
             self.log.close()
         return code
 
+    def _dropout_key(self, step: int, micro: int):
+        # masks are a function of (seed, step, micro-batch): a resume that restores the step
+        # redraws them exactly; each data-parallel rank gets its own micro-batch numbers
+        if not self.mcfg.dropout:
+            return None
+        from mindloom_model import dropout_key
+
+        return dropout_key(self.cfg.seed, step, self.dp_rank * self.accum + micro)
+
     def _log_error(self, reason: str) -> None:
         try:
             self.log(f"error: {reason}")
@@ -828,13 +837,14 @@ class Trainer:
                 lr = lr_at(self.step, cfg.lr_scheduler, total_iters)
                 prev_sum = 0.0
                 time_up = False
-                for _ in range(self.accum - 1 if self.par is None else 0):
+                for micro_i in range(self.accum - 1 if self.par is None else 0):
                     batch = next(it)
                     hyper = hyper_vector(lr=lr, beta1=o.beta1, beta2=o.beta2, eps=o.eps,
                                          weight_decay=o.weight_decay, adam_step=self.adam_step + 1,
                                          clip=t.grad_clip, spike=t.grad_spike_threshold,
                                          loss_scale=self.loss_scale)  # fmt: skip
-                    prev_sum += float(self.accum_step(*self._tensors(batch), hyper).asnumpy())
+                    dkey = self._dropout_key(step, micro_i)
+                    prev_sum += float(self.accum_step(*self._tensors(batch), hyper, dkey).asnumpy())
                 micro = [next(it) for _ in range(self.accum)] if self.par is not None else None
                 batch = micro[-1] if micro is not None else next(it)
                 hyper = hyper_vector(
@@ -871,7 +881,10 @@ class Trainer:
                         window.get("rank_step_s", 0.0) + self.par.rank_metrics["step_s"]
                     )
                 else:
-                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(*self._tensors(batch), hyper)
+                    dkey = self._dropout_key(step, self.accum - 1)
+                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(
+                        *self._tensors(batch), hyper, dkey
+                    )
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
                     ok = bool(ok_t.asnumpy())
                     if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
