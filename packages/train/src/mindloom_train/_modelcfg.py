@@ -80,13 +80,6 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key model: {exc}") from None
-    if mcfg.family != "llama":
-        # the DeepSeek-V3 model exists (mindloom_model.DeepseekV3) but its train step (MTP
-        # and balance losses, the expert-bias update, MoE metrics) is not wired in yet
-        raise ConfigError(
-            f"config key model.family: {mcfg.family!r} does not train through mindloom yet "
-            "(only 'llama'); the model itself is in mindloom_model"
-        )
     if mcfg.max_seq_len < cfg.train_dataset.seq_length:
         raise ConfigError(
             f"config key model.max_seq_len: {mcfg.max_seq_len} is shorter than "
@@ -107,4 +100,9 @@ def model_shape(mcfg) -> dict[str, Any]:
         "ffn_hidden_size",
         "tie_embeddings",
     ]
+    if d.get("family", "llama") != "llama":
+        # added only for other families, so Llama checkpoints keep their recorded shape
+        keys += ["family", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                 "moe_intermediate_size", "first_k_dense_replace", "num_nextn_predict_layers"]  # fmt: skip
     return {k: d[k] for k in keys if k in d}
