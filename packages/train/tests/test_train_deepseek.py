@@ -1,9 +1,9 @@
 """DeepSeek-V3 (MLA + MoE + MTP) through `mindloom train`: one-process run, resume, dp=2.
 
-One module fixture runs everything once and every check below reads it: a one-process
-reference A (6 steps, 2 micro-batches per step, checkpoints at 2, 4, 6), a run B stopped by
-SIGTERM during update 3 and resumed in a new process, and one `mindloom launch --nproc 2`
-data-parallel run (one micro-batch per rank), started first so it overlaps A and B.
+Module fixtures run each job once and the checks below share them: a one-process
+reference A (6 steps, 2 micro-batches per step, checkpoints at 2, 4, 6) and a run B
+stopped by SIGTERM during update 3 and resumed in a new process; and one `mindloom launch
+--nproc 2` data-parallel run (one micro-batch per rank), only for the dp=2 check.
 References: NumPy for the expert-bias rule and the load statistics, the one-process run
 for resume and dp=2, `transformers` for the exported Hugging Face directory.
 """
@@ -57,11 +57,33 @@ def _kill_msrun(log_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(prepared, tmp_path_factory) -> dict[str, Path]:
+    """The one-process reference A."""
     root = tmp_path_factory.mktemp("deepseek")
-    out = {"root": root, "a": root / "a", "b": root / "b", "dp": root / "dp"}
-    dp_cfg = _config(prepared, out["dp"], parallelism={"dp": 2})
-    path = root / "dp.yaml"
-    path.write_text(yaml.safe_dump(dp_cfg))
+    out = {"root": root, "a": root / "a"}
+    assert run_config(_config(prepared, out["a"])) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_b(prepared, runs) -> dict:
+    """B: SIGTERM during update 3 (saves step 3, exits 0), resumed in a new process."""
+    run = runs["root"] / "b"
+    cfg = _config(prepared, run)
+    assert run_config(cfg, fault="sigterm@3") == 0
+    stopped_at = read_tracker(run / "checkpoints")
+    path = runs["root"] / "b.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", str(path), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"run": run, "stopped_at": stopped_at, "stderr": proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def dp_run(prepared, runs) -> Path:
+    """`mindloom launch --nproc 2`, dp=2: one micro-batch of 4 per rank."""
+    run = runs["root"] / "dp"
+    path = runs["root"] / "dp.yaml"
+    path.write_text(yaml.safe_dump(_config(prepared, run, parallelism={"dp": 2})))
     env = {**os.environ, "GLOG_v": "3"}
     env.pop("MINDLOOM_FAULT", None)
     dp = subprocess.Popen(
@@ -70,23 +92,14 @@ def runs(prepared, tmp_path_factory) -> dict[str, Path]:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
-        assert run_config(_config(prepared, out["a"])) == 0
-        b_cfg = _config(prepared, out["b"])
-        assert run_config(b_cfg, fault="sigterm@3") == 0
-        out["b_stopped_at"] = read_tracker(out["b"] / "checkpoints")
-        b_path = root / "b.yaml"
-        b_path.write_text(yaml.safe_dump(b_cfg))
-        proc = run_cli("train", str(b_path), timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out["b_stderr"] = proc.stderr
         _, err = dp.communicate(timeout=960)
         assert dp.returncode == 0, f"dp2: {err[-3000:]}"
     finally:
-        if dp.poll() is None:  # only after a failed assertion or a timeout
-            _kill_msrun(out["dp"] / "msrun_logs")
+        if dp.poll() is None:  # only after a timeout
+            _kill_msrun(run / "msrun_logs")
             dp.kill()
             dp.communicate()
-    return out
+    return run
 
 
 def _tensors(run: Path, step: int) -> dict[str, np.ndarray]:
@@ -159,15 +172,15 @@ def test_bias_update_equals_the_numpy_rule_from_the_recorded_loads(runs):
     assert a[1]["moe_load"] != a[STEPS]["moe_load"]
 
 
-def test_resume_after_sigterm_is_bit_exact_including_the_bias(runs):
-    assert runs["b_stopped_at"] == 3
-    assert "resumed from" in runs["b_stderr"]
-    a, b = step_records(runs["a"]), step_records(runs["b"])
+def test_resume_after_sigterm_is_bit_exact_including_the_bias(runs, run_b):
+    assert run_b["stopped_at"] == 3
+    assert "resumed from" in run_b["stderr"]
+    a, b = step_records(runs["a"]), step_records(run_b["run"])
     assert sorted(b) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         for key in ("step_loss", "grad_norm", "mtp_loss", "moe_load", "moe_bias_norm"):
             assert a[step][key] == b[step][key], (step, key)
-    ta, tb = _tensors(runs["a"], STEPS), _tensors(runs["b"], STEPS)
+    ta, tb = _tensors(runs["a"], STEPS), _tensors(run_b["run"], STEPS)
     assert sorted(ta) == sorted(tb)
     assert sum(k.endswith("expert_bias") for k in ta) == 3
     for name in ta:
@@ -175,15 +188,15 @@ def test_resume_after_sigterm_is_bit_exact_including_the_bias(runs):
 
 
 @pytest.mark.msrun
-def test_dp2_losses_and_biases_equal_one_process(runs):
-    a, dp = step_records(runs["a"]), step_records(runs["dp"])
+def test_dp2_losses_and_biases_equal_one_process(runs, dp_run):
+    a, dp = step_records(runs["a"]), step_records(dp_run)
     assert sorted(dp) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
         # loads summed over both ranks = over the one process's 2 micro-batches
         np.testing.assert_array_equal(dp[step]["moe_load"], a[step]["moe_load"])
     for step in (2, 4, 6):
-        np.testing.assert_array_equal(_biases(runs["dp"], step), _biases(runs["a"], step))
+        np.testing.assert_array_equal(_biases(dp_run, step), _biases(runs["a"], step))
 
 
 def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
@@ -209,3 +222,16 @@ def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
         want = ref(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
     got = ours(Tensor(ids)).asnumpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_recompute_refuses_the_family_in_one_line(prepared, tmp_path):
+    from mindloom_train._config import ConfigError, from_dict
+    from mindloom_train._modelcfg import build_model_config
+
+    cfg = from_dict(_config(prepared, tmp_path / "r", recompute={"mode": "full"}))
+    with pytest.raises(ConfigError, match=r"recompute.mode: 'full' is not supported") as exc:
+        build_model_config(cfg, 65)
+    assert "\n" not in str(exc.value)
+    # the same run without recompute builds
+    cfg = from_dict(_config(prepared, tmp_path / "r"))
+    assert build_model_config(cfg, 65).family == "deepseek_v3"
