@@ -221,6 +221,7 @@ class Trainer:
         import mindspore as ms
 
         from mindloom_train import _step
+        from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
 
         cfg = self.cfg
         self.accum = cfg.grad_accum_steps
@@ -260,11 +261,7 @@ class Trainer:
             self.comm_probe(self._probe_grads)[0].asnumpy()
         self.moe_parts = None
         eval_net = self.loss_net
-        from mindloom_train._moe import is_moe
-
-        if is_moe(self.mcfg):  # DeepSeek-V3: stats, expert-bias update, main-CE evaluation
-            from mindloom_train._moe import MoEEvalNet, MoEStepParts, MoEWindow
-
+        if isinstance(self.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
             dp_name = self.groups.dp.name if self.groups is not None and self.dp_size > 1 else None
             self.moe_parts = MoEStepParts(self.model, dp_name, self.dp_size)
             self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
