@@ -5,6 +5,7 @@ from mindloom_model._deepseek import (
     DeepseekV3,
     DeepseekV3WithLoss,
     moe_route_reference,
+    moe_routers,
     update_expert_bias,
     yarn_inv_freq,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "get_preset",
     "load_hf",
     "moe_route_reference",
+    "moe_routers",
     "preset_names",
     "rope_cos_sin",
     "save_hf",

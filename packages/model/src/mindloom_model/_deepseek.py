@@ -72,6 +72,7 @@ __all__ = [
     "DeepseekV3",
     "DeepseekV3WithLoss",
     "moe_route_reference",
+    "moe_routers",
     "update_expert_bias",
     "yarn_inv_freq",
 ]

@@ -88,7 +88,7 @@ def resolve_checkpoint(checkpoint: str | os.PathLike) -> Path:
 def load_model(checkpoint: str | os.PathLike):
     """(Llama with the checkpoint's weights, Checkpoint) from a step dir, a save path (its
     `latest`) or `SAVE_PATH/best`."""
-    from mindloom_model import Llama, ModelConfig
+    from mindloom_model import DeepseekV3, Llama, ModelConfig
 
     from mindloom_train._checkpoint import CheckpointError, open_checkpoint
 
@@ -99,7 +99,7 @@ def load_model(checkpoint: str | os.PathLike):
         if not isinstance(mdict, dict):
             raise CheckpointError(f"{ckpt.path / 'common.json'}: no model_config")
         mcfg = ModelConfig.from_dict(mdict)
-        model = Llama(mcfg)
+        model = DeepseekV3(mcfg) if mcfg.family == "deepseek_v3" else Llama(mcfg)
         params = list(model.get_parameters())
         tensors = ckpt.load_tensors([p.name for p in params])
     except (CheckpointError, ValueError, TypeError) as exc:
@@ -227,7 +227,8 @@ def cmd_export_hf(args) -> int:
         out = save_hf(model, args.out, dtype=args.dtype, **extra)
     except (OSError, ValueError) as exc:
         raise CommandError(f"export-hf: {exc}") from None
-    print(f"wrote {out} (Hugging Face Llama, step {ckpt.step}, {args.dtype})")
+    kind = "DeepseekV3ForCausalLM" if model.config.family == "deepseek_v3" else "Llama"
+    print(f"wrote {out} (Hugging Face {kind}, step {ckpt.step}, {args.dtype})")
     return 0
 
 

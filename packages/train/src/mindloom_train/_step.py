@@ -52,21 +52,37 @@ class _Base(nn.Cell):
         grads = self.grad(self.loss_net, self.weights)(*args, sens)
         return loss, grads
 
+    def _grads_moe(self, tokens, labels, position_ids, segment_ids, loss_mask, scale):
+        # the MoE loss net returns (loss, stats); stats carry no gradient (zero sens)
+        loss, stats = self.loss_net(tokens, labels, position_ids, segment_ids, loss_mask)
+        sens = (ops.fill(loss.dtype, (), 1.0) * scale, ops.zeros_like(stats))
+        grads = self.grad(self.loss_net, self.weights)(
+            tokens, labels, position_ids, segment_ids, loss_mask, sens
+        )
+        return loss, grads, stats
+
 
 class AccumStep(_Base):
     """A non-final micro-batch of an accumulated step: add its (scaled) grads to buffers."""
 
-    def __init__(self, loss_net: nn.Cell, weights, acc):
+    def __init__(self, loss_net: nn.Cell, weights, acc, moe: nn.Cell | None = None):
         super().__init__(auto_prefix=False)
         self.loss_net = loss_net
         self.weights = weights
         self.acc = acc
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.moe = moe  # _moe.MoEStepParts of the TrainStep: its stats buffer
 
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
-        loss, grads = self._grads(
-            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
-        )
+        if self.moe is not None:  # DeepSeek-V3 keeps MindSpore's dropout: no dkey
+            loss, grads, stats = self._grads_moe(
+                tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE]
+            )
+            loss = ops.depend(loss, self.moe.accumulate(stats))
+        else:
+            loss, grads = self._grads(
+                tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
+            )
         for i in range(len(self.acc)):
             loss = ops.depend(loss, ops.assign_add(self.acc[i], grads[i].astype(ms.float32)))
         return loss
@@ -83,6 +99,7 @@ class TrainStep(_Base):
         accum_steps: int = 1,
         grad_reducer: nn.Cell | None = None,
         loss_reducer: nn.Cell | None = None,
+        moe: nn.Cell | None = None,
     ):
         super().__init__(auto_prefix=False)
         self.loss_net = loss_net
@@ -104,12 +121,21 @@ class TrainStep(_Base):
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.grad_reducer = grad_reducer
         self.loss_reducer = loss_reducer
+        # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
+        # the expert biases after an applied update
+        self.moe = moe
 
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
-        loss, grads = self._grads(
-            tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
-        )
+        if self.moe is not None:
+            loss, grads, stats = self._grads_moe(
+                tokens, labels, position_ids, segment_ids, loss_mask, scale
+            )
+            stats = self.moe.finish(stats, hyper[H_NMICRO])
+        else:
+            loss, grads = self._grads(
+                tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey
+            )
         # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
         # unscaling multiplier `inv` is folded into the clip factor, so each gradient is
         # multiplied once, and its squared norm is a [1, n] x [n, 1] matmul (MindSpore's
@@ -159,6 +185,9 @@ class TrainStep(_Base):
         if self.acc is not None:
             for i in range(len(self.acc)):
                 loss = ops.depend(loss, ops.assign(self.acc[i], ops.zeros_like(self.acc[i])))
+        if self.moe is not None:
+            loss = self.moe.update(stats, ok, loss)
+            return loss, gnorm, ok, stop, stats
         return loss, gnorm, ok, stop
 
 

@@ -160,9 +160,10 @@ class Trainer:
         random.seed(self.cfg.seed)
 
     def _build_model(self, vocab_size: int):
-        from mindloom_model import Llama, LlamaWithLoss
+        from mindloom_model import DeepseekV3, Llama, LlamaWithLoss
 
         from mindloom_train._modelcfg import _DTYPE, build_model_config
+        from mindloom_train._moe import MoELossNet, is_moe
 
         hf = self.cfg.model.get("init_from_hf")
         if hf:
@@ -189,11 +190,23 @@ class Trainer:
             self.log(f"model: weights from Hugging Face directory {hf}")
         else:
             mcfg = build_model_config(self.cfg, vocab_size)
-            model = Llama(mcfg)
+            model = Llama(mcfg) if not is_moe(mcfg) else DeepseekV3(mcfg)
         self.mcfg = mcfg
         self.model = model
-        self.loss_net = LlamaWithLoss(model)
+        self.loss_net = LlamaWithLoss(model) if not is_moe(mcfg) else MoELossNet(model)
         self.params = list(model.trainable_params())
+        # state that is not trained but checkpointed (the MoE selection biases)
+        self.buffers = [p for p in model.get_parameters() if not p.requires_grad]
+        if is_moe(mcfg) and not self.buffers:
+            raise ConfigError(
+                f"config key model.first_k_dense_replace: {mcfg.first_k_dense_replace} of "
+                f"{mcfg.num_layers} layers dense and no MTP MoE block leaves no router to train"
+            )
+        if is_moe(mcfg) and self.use_engine:
+            raise ConfigError(
+                "config parallelism: family deepseek_v3 trains under plain data parallel only "
+                "(tp, pp and zero_stage are not wired for MoE yet)"
+            )
         if self.groups is not None:
             from mindloom_parallel import ParallelConfigError, validate
 
@@ -208,6 +221,7 @@ class Trainer:
         import mindspore as ms
 
         from mindloom_train import _step
+        from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
 
         cfg = self.cfg
         self.accum = cfg.grad_accum_steps
@@ -245,13 +259,23 @@ class Trainer:
             )
             self._probe_grads = tuple(ms.Tensor(np.zeros(p.shape, np.float32)) for p in self.params)
             self.comm_probe(self._probe_grads)[0].asnumpy()
+        self.moe_parts = None
+        eval_net = self.loss_net
+        if isinstance(self.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
+            dp_name = self.groups.dp.name if self.groups is not None and self.dp_size > 1 else None
+            self.moe_parts = MoEStepParts(self.model, dp_name, self.dp_size)
+            self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
+                                        self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
+            eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            self.loss_net, weights, flags, self.accum, grad_red, loss_red
+            self.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
         )
         self.accum_step = (
-            _step.AccumStep(self.loss_net, weights, self.train_step.acc) if self.accum > 1 else None
+            _step.AccumStep(self.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
+            if self.accum > 1
+            else None
         )
-        self.eval_step = _step.EvalStep(self.loss_net, eval_red)
+        self.eval_step = _step.EvalStep(eval_net, eval_red)
 
     # ------------------------------------------------------------------ state
 
@@ -260,7 +284,7 @@ class Trainer:
 
         return {
             p.name: p.astype(ms.float32).asnumpy() if p.dtype != ms.float32 else p.asnumpy()
-            for p in self.params
+            for p in self.params + self.buffers
         }
 
     def _opt_tensors(self) -> dict[str, np.ndarray]:
@@ -475,7 +499,7 @@ class Trainer:
             else:
                 opt_names = ("exp_avg.", "exp_avg_sq.")
                 weights = {k: v for k, v in tensors.items() if not k.startswith(opt_names)}
-                self._load_params(self.params, weights, where)
+                self._load_params(self.params + self.buffers, weights, where)
                 opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
                 opt = {k: v for k, v in tensors.items() if k.startswith(opt_names)}
                 self._load_params(opt_params, opt, where)
@@ -709,8 +733,8 @@ class Trainer:
     def _dropout_key(self, step: int, micro: int):
         # masks are a function of (seed, step, micro-batch): a resume that restores the step
         # redraws them exactly; each data-parallel rank gets its own micro-batch numbers
-        if not self.mcfg.dropout:
-            return None
+        if not self.mcfg.dropout or self.mcfg.family != "llama":
+            return None  # DeepSeek-V3 still draws MindSpore's stateful dropout masks
         from mindloom_model import dropout_key
 
         return dropout_key(self.cfg.seed, step, self.dp_rank * self.accum + micro)
@@ -882,9 +906,11 @@ class Trainer:
                     )
                 else:
                     dkey = self._dropout_key(step, self.accum - 1)
-                    loss_t, gnorm_t, ok_t, stop_t = self.train_step(
+                    loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.train_step(
                         *self._tensors(batch), hyper, dkey
                     )
+                    if moe_t:
+                        self.moe_window.add(moe_t[0].asnumpy())
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
                     ok = bool(ok_t.asnumpy())
                     if float(stop_t.asnumpy()) > 0 and self._stop_signal is None:
@@ -1076,6 +1102,11 @@ class Trainer:
         }
         if self.loss_scale != 1.0:
             rec["loss_scale"] = self.loss_scale
+        if getattr(self, "moe_parts", None) is not None:
+            from mindloom_train._moe import moe_bias_values
+
+            rec.update(self.moe_window.fields(moe_bias_values(self.model)))
+            self.moe_window.reset()
         probe = step % self.cfg.monitor.log_interval == 0 or step == total
         rec.update(self._comm_fields(window, probe))
         self.metrics.write(rec)

@@ -1,0 +1,237 @@
+"""DeepSeek-V3 (MLA + MoE + MTP) through `mindloom train`: one-process run, resume, dp=2.
+
+Module fixtures run each job once and the checks below share them: a one-process
+reference A (6 steps, 2 micro-batches per step, checkpoints at 2, 4, 6) and a run B
+stopped by SIGTERM during update 3 and resumed in a new process; and one `mindloom launch
+--nproc 2` data-parallel run (one micro-batch per rank), only for the dp=2 check.
+References: NumPy for the expert-bias rule and the load statistics, the one-process run
+for resume and dp=2, `transformers` for the exported Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from mindloom_train._checkpoint import Checkpoint, read_tracker
+from train_testutil import SCHED, base_config, events, run_cli, run_config, step_records
+
+STEPS = 6
+SPEED = 0.01  # large enough that the bias moves the routing within 6 steps
+E = 8  # deepseek-v3-debug: routed experts
+
+
+def _config(prepared, run: Path, **sections) -> dict:
+    cfg = base_config(
+        prepared, run, lr_scheduler=SCHED,
+        model={"preset": "deepseek-v3-debug", "vocab_size": None,
+               "moe_bias_update_speed": SPEED, "moe_aux_loss_weight": 0.01},
+        training={"train_iters": STEPS, "global_batch_size": 8, "micro_batch_size": 4},
+        checkpoint={"save_interval": 2, "keep_last": 10},
+    )  # fmt: skip
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _kill_msrun(log_dir: Path) -> None:
+    """Stop the msrun job this test started (found by its own log directory)."""
+    import signal
+
+    needle = f"--log_dir={log_dir.resolve()}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory) -> dict[str, Path]:
+    """The one-process reference A."""
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {"root": root, "a": root / "a"}
+    assert run_config(_config(prepared, out["a"])) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_b(prepared, runs) -> dict:
+    """B: SIGTERM during update 3 (saves step 3, exits 0), resumed in a new process."""
+    run = runs["root"] / "b"
+    cfg = _config(prepared, run)
+    assert run_config(cfg, fault="sigterm@3") == 0
+    stopped_at = read_tracker(run / "checkpoints")
+    path = runs["root"] / "b.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", str(path), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"run": run, "stopped_at": stopped_at, "stderr": proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def dp_run(prepared, runs) -> Path:
+    """`mindloom launch --nproc 2`, dp=2: one micro-batch of 4 per rank."""
+    run = runs["root"] / "dp"
+    path = runs["root"] / "dp.yaml"
+    path.write_text(yaml.safe_dump(_config(prepared, run, parallelism={"dp": 2})))
+    env = {**os.environ, "GLOG_v": "3"}
+    env.pop("MINDLOOM_FAULT", None)
+    dp = subprocess.Popen(
+        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
+         "--timeout", "900"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _, err = dp.communicate(timeout=960)
+        assert dp.returncode == 0, f"dp2: {err[-3000:]}"
+    finally:
+        if dp.poll() is None:  # only after a timeout
+            _kill_msrun(run / "msrun_logs")
+            dp.kill()
+            dp.communicate()
+    return run
+
+
+def _tensors(run: Path, step: int) -> dict[str, np.ndarray]:
+    ck = Checkpoint(run / "checkpoints" / f"step_{step:08d}")
+    return ck.load_tensors(list(ck.metadata["tensors"]))
+
+
+def _biases(run: Path, step: int) -> np.ndarray:
+    """[R, E] in the trunk-then-MTP router order the metrics use."""
+    t = _tensors(run, step)
+    trunk = sorted((k for k in t if k.startswith("layers.") and k.endswith("expert_bias")),
+                   key=lambda k: int(k.split(".")[1]))  # fmt: skip
+    mtp = sorted((k for k in t if k.startswith("mtp.") and k.endswith("expert_bias")),
+                 key=lambda k: int(k.split(".")[1]))  # fmt: skip
+    return np.stack([t[k] for k in trunk + mtp])
+
+
+def test_losses_finite_falling_and_eval(runs):
+    a = step_records(runs["a"])
+    assert sorted(a) == list(range(1, STEPS + 1))
+    for r in a.values():
+        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss"):
+            assert math.isfinite(r[key]), (key, r)
+    assert a[STEPS]["step_loss"] < a[1]["step_loss"] - 0.1
+    assert a[STEPS]["lm_loss"] < a[1]["lm_loss"]
+    # the objective: CE + 0.3 * MTP + 0.01 * balance (means over the 2 micro-batches)
+    r = a[1]
+    assert r["step_loss"] == pytest.approx(
+        r["lm_loss"] + 0.3 * r["mtp_loss"] + 0.01 * r["balance_loss"], rel=1e-5
+    )
+    ev = events(runs["a"], "eval")
+    assert [e["step"] for e in ev] == [STEPS]
+    assert ev[0]["ppl"] == pytest.approx(math.exp(ev[0]["loss"]))
+    # the held-out loss is the main CE: same scale as lm_loss, far below the objective
+    assert ev[0]["loss"] < a[STEPS]["step_loss"]
+
+
+def test_moe_metrics_are_consistent(runs):
+    a = step_records(runs["a"])
+    for r in a.values():
+        load = np.asarray(r["moe_load"], np.float64)
+        assert load.shape == (3, E)  # 2 trunk MoE layers + the MTP block's
+        np.testing.assert_allclose(load.sum(1), 1.0, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(r["moe_imbalance"], load.max(1) / load.mean(1), rtol=1e-12)
+        total = load.sum(0)  # every layer routes the same number of token-slots
+        assert r["moe_imbalance_overall"] == pytest.approx(total.max() / total.mean(), rel=1e-12)
+        assert r["moe_dead_experts"] == int((load == 0).sum())
+        # token-slots: 8 samples x 32 tokens x 2 experts per layer, so fractions are k/512
+        np.testing.assert_array_equal(load * 512, np.round(load * 512))
+    for step in (2, 4, 6):
+        norm = float(np.sqrt((_biases(runs["a"], step).astype(np.float64) ** 2).sum()))
+        assert a[step]["moe_bias_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def _bias_rule(bias: np.ndarray, load: np.ndarray) -> np.ndarray:
+    # DeepSeek-V3: b_e += gamma * sign(mean load - load_e), applied after the update, fp32
+    sign = np.sign(load.mean(1, keepdims=True) - load)
+    return (bias + np.float32(SPEED) * sign.astype(np.float32)).astype(np.float32)
+
+
+def test_bias_update_equals_the_numpy_rule_from_the_recorded_loads(runs):
+    a = step_records(runs["a"])
+    bias = np.zeros((3, E), np.float32)
+    for step in range(1, STEPS + 1):
+        bias = _bias_rule(bias, np.asarray(a[step]["moe_load"], np.float64))
+        if step % 2 == 0:
+            np.testing.assert_array_equal(_biases(runs["a"], step), bias, err_msg=f"step {step}")
+    assert np.abs(bias).max() > 0  # it moved
+    # the routing used the bias: loads differ between the steps
+    assert a[1]["moe_load"] != a[STEPS]["moe_load"]
+
+
+def test_resume_after_sigterm_is_bit_exact_including_the_bias(runs, run_b):
+    assert run_b["stopped_at"] == 3
+    assert "resumed from" in run_b["stderr"]
+    a, b = step_records(runs["a"]), step_records(run_b["run"])
+    assert sorted(b) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in ("step_loss", "grad_norm", "mtp_loss", "moe_load", "moe_bias_norm"):
+            assert a[step][key] == b[step][key], (step, key)
+    ta, tb = _tensors(runs["a"], STEPS), _tensors(run_b["run"], STEPS)
+    assert sorted(ta) == sorted(tb)
+    assert sum(k.endswith("expert_bias") for k in ta) == 3
+    for name in ta:
+        np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+
+
+@pytest.mark.msrun
+def test_dp2_losses_and_biases_equal_one_process(runs, dp_run):
+    a, dp = step_records(runs["a"]), step_records(dp_run)
+    assert sorted(dp) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
+        # loads summed over both ranks = over the one process's 2 micro-batches
+        np.testing.assert_array_equal(dp[step]["moe_load"], a[step]["moe_load"])
+    for step in (2, 4, 6):
+        np.testing.assert_array_equal(_biases(dp_run, step), _biases(runs["a"], step))
+
+
+def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
+    ckpt = runs["a"] / "checkpoints"
+    proc = run_cli("generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:",
+                   "--max-new-tokens", "8", "--temperature", "0")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ROMEO:")
+    out = tmp_path / "hf"
+    proc = run_cli("export-hf", "--checkpoint", str(ckpt), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "DeepseekV3ForCausalLM" in proc.stdout
+
+    import torch
+    from mindloom_train._commands import load_model
+    from mindspore import Tensor
+    from transformers import DeepseekV3ForCausalLM
+
+    ours, _ = load_model(ckpt)
+    ref = DeepseekV3ForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, (2, 16)).astype(np.int32)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
+    got = ours(Tensor(ids)).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_recompute_refuses_the_family_in_one_line(prepared, tmp_path):
+    from mindloom_train._config import ConfigError, from_dict
+    from mindloom_train._modelcfg import build_model_config
+
+    cfg = from_dict(_config(prepared, tmp_path / "r", recompute={"mode": "full"}))
+    with pytest.raises(ConfigError, match=r"recompute.mode: 'full' is not supported") as exc:
+        build_model_config(cfg, 65)
+    assert "\n" not in str(exc.value)
+    # the same run without recompute builds
+    cfg = from_dict(_config(prepared, tmp_path / "r"))
+    assert build_model_config(cfg, 65).family == "deepseek_v3"
