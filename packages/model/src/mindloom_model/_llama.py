@@ -742,18 +742,7 @@ class Llama(nn.Cell):
         b, s = tokens.shape
         if position_ids is None:
             position_ids = self.positions[:, :s]  # [1, S]
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
-        if self.kernel_attention:
-            # the kernel reads the documents from the segment ids; RoPE in [B, S, H, Dh]
-            cos, sin = cos.transpose(0, 2, 1, 3), sin.transpose(0, 2, 1, 3)
-            if segment_ids is None:
-                bias = ops.zeros((1, s), ms.int32)
-            else:
-                bias = segment_ids.astype(ms.int32)
-        else:
-            pos = self.positions[0, :s]
-            causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
-            bias = attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
+        cos, sin, bias = self.attention_inputs(position_ids, segment_ids)
         x = self.embed(tokens)  # [B, S, D]
         if self.embed_dropout is not None:
             x = self.embed_dropout(x)
@@ -761,6 +750,22 @@ class Llama(nn.Cell):
             x = layer(x, cos, sin, bias)
         x = self.norm(x)
         return self.head(x)
+
+    def attention_inputs(self, position_ids, segment_ids=None):
+        """(cos, sin, bias) every layer takes: RoPE tables [B|1, 1, S, Dh] and the additive
+        mask [B|1, 1, S, S] fp32; with the fused attention kernel, RoPE tables
+        [B|1, S, 1, Dh] and the segment ids [B|1, S] int32 instead (no S x S mask)."""
+        s = position_ids.shape[1]
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
+        if self.kernel_attention:
+            # the kernel reads the documents from the segment ids; RoPE in [B, S, H, Dh]
+            cos, sin = cos.transpose(0, 2, 1, 3), sin.transpose(0, 2, 1, 3)
+            if segment_ids is None:
+                return cos, sin, ops.zeros((1, s), ms.int32)
+            return cos, sin, segment_ids.astype(ms.int32)
+        pos = self.positions[0, :s]
+        causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
+        return cos, sin, attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
 
     def head(self, x):
         # x [B, S, D] -> logits [B, S, V] fp32

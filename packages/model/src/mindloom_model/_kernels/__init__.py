@@ -118,9 +118,7 @@ class KernelRMSNorm(nn.Cell):
     def __init__(self):
         super().__init__()
         self.fwd = _op("rmsnorm_fwd", lambda x, w, e: (x, x[:-1]), lambda x, w, e: (_f32, _f32))
-        self.bwd = _op(
-            "rmsnorm_bwd", lambda x, w, r, g: (x, w), lambda x, w, r, g: (_f32, _f32)
-        )
+        self.bwd = _op("rmsnorm_bwd", lambda x, w, r, g: (x, w), lambda x, w, r, g: (_f32, _f32))
 
     def construct(self, x, weight, eps):
         # (y, rstd): rstd reaches bprop through `out`; callers use [0]
@@ -156,7 +154,7 @@ class KernelCrossEntropy(nn.Cell):
     def __init__(self):
         super().__init__()
         self.fwd = _op("ce_fwd", lambda x, y: (x[:1], x[:1]), lambda x, y: (_f32, _f32))
-        self.bwd = _op("ce_bwd", lambda x, y, l, g: x, lambda x, y, l, g: _f32)
+        self.bwd = _op("ce_bwd", lambda x, y, lse, g: x, lambda x, y, lse, g: _f32)
 
     def construct(self, logits, labels, weight):
         # (loss, nll, lse): nll and lse reach bprop through `out`; callers use [0]
@@ -186,8 +184,8 @@ class KernelAttention(nn.Cell):
         )
         self.bwd = _op(
             "attn_bwd",
-            lambda q, k, v, s, o, l, g: (q, k, v),
-            lambda q, k, v, s, o, l, g: (_f32, _f32, _f32),
+            lambda q, k, v, s, o, lse, g: (q, k, v),
+            lambda q, k, v, s, o, lse, g: (_f32, _f32, _f32),
         )
 
     def construct(self, q, k, v, segment_ids):
