@@ -43,6 +43,11 @@ def parse(argv):
     p.add_argument("--batch-17m", type=int, default=4)
     p.add_argument("--no-segments", action="store_true", help="plain causal batches")
     p.add_argument("--rounds", type=int, default=2, help="fresh processes per framework")
+    p.add_argument(
+        "--kernels-ab",
+        action="store_true",
+        help="MindSpore only: fused kernels vs portable ops, steps interleaved in one process",
+    )
     p.add_argument("--child", choices=("torch", "auto", "portable"), help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -200,6 +205,58 @@ def matmul_ceiling(reps=5):
     return max(results.values()), results
 
 
+def ms_step_fn(name, batch, args, kernels):
+    import mindspore as ms
+    from mindloom_model import Llama, LlamaWithLoss, get_preset
+    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindspore import Tensor
+
+    cfg = get_preset(name, kernels=kernels)
+    data = make_batch(cfg, batch, segments=not args.no_segments)
+    net = LlamaWithLoss(Llama(cfg))
+    if kernels == "auto" and net.model.loss_kernel is None:
+        raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
+    weights = ms.ParameterTuple(net.trainable_params())
+    step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
+    step.set_train(True)
+    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+    ms_in = [Tensor(data[k]) for k in keys]
+    return lambda: float(step(*ms_in, hyper)[0].asnumpy())
+
+
+def kernels_ab(args) -> int:
+    """Fused kernels vs portable ops, both compiled in this process, steps interleaved
+    so both see the same load; prints medians and the median of per-step ratios."""
+    import mindspore as ms
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for name in args.presets.split(","):
+        batch = getattr(args, "batch_" + name.replace("-", "_"))
+        fns = {k: ms_step_fn(name, batch, args, k) for k in ("auto", "portable")}
+        losses = {k: fn() for k, fn in fns.items()}  # compiles
+        for _ in range(args.warmup):
+            for fn in fns.values():
+                fn()
+        times = {k: [] for k in fns}
+        for _ in range(args.steps):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = statistics.median(
+            p / a for p, a in zip(times["portable"], times["auto"], strict=True)
+        )
+        print(f"{name}: kernels {med['auto'] * 1e3:.1f} ms/step, portable {med['portable'] * 1e3:.1f}"
+              f" ms/step: x{med['portable'] / med['auto']:.2f} (per-step ratios' median x{ratio:.2f});"
+              f" first losses {losses['auto']:.6f} / {losses['portable']:.6f}")  # fmt: skip
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def time_preset(name, batch, args, which):
     """Median seconds per step of one framework (`which`: torch, or MindSpore with
     model.kernels auto / portable) on one preset, in this process."""
@@ -287,6 +344,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOG_v", "3")
     if args.child:
         return child(args)
+    if args.kernels_ab:
+        return kernels_ab(args)
     import json
     import subprocess
     import tempfile
