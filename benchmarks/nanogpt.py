@@ -315,7 +315,7 @@ def roofline(threads: int) -> dict:
 # mindloom
 
 
-def run_mindloom(iters: int, threads: int, work: Path, t_launch: float) -> dict:
+def run_mindloom(iters: int, threads: int, work: Path, t_launch: float, kernels: str) -> dict:
     import json
 
     from mindloom_train._config import load_config
@@ -328,6 +328,7 @@ def run_mindloom(iters: int, threads: int, work: Path, t_launch: float) -> dict:
         f"context.num_threads={threads}",
         "monitor.progress_bar=false",
         "monitor.log_interval=25",
+        f"model.kernels={kernels}",
     ]
     cfg = load_config(RECIPE, overrides)
     # tokenizer and data once, outside the timed part (nanoGPT's prepare.py is not timed)
@@ -362,14 +363,16 @@ def run_mindloom(iters: int, threads: int, work: Path, t_launch: float) -> dict:
         "val_loss": trainer.last_eval[0],
         "iters": iters,
         "evals": evals,
-        "kernels": kernels_in_use(),
+        "kernels": kernels_in_use(trainer, kernels),
     }
 
 
-def kernels_in_use() -> str:
-    from mindloom_model import _kernels
+def kernels_in_use(trainer, asked: str) -> str:
+    from mindloom_model import Llama
 
-    return "fused CPU kernels" if _kernels.available() else "portable ops"
+    model = next((c for _, c in trainer.__dict__.items() if isinstance(c, Llama)), None)
+    fused = getattr(model, "loss_kernel", None) is not None if model is not None else None
+    return f"model.kernels={asked}" + ("" if fused is None else f" (fused kernels in use: {fused})")
 
 
 def time_to(evals, target: float) -> float | None:
@@ -387,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--nanogpt-dir", type=Path, default=None,
         help="a karpathy/nanoGPT checkout: also run its own train.py in this run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kernels", choices=("auto", "portable"), default="portable",
+        help="mindloom's model.kernels (auto: the fused CPU kernels)",
     )  # fmt: skip
     parser.add_argument(
         "--no-roofline", action="store_true", help="skip timing the step's matrix products alone"
@@ -412,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = [sys.executable, os.path.abspath(__file__), "--only", which,
                        "--iters", str(args.iters), "--threads", str(args.threads),
-                       "--json", out.name, "--t-launch", str(time.time())]  # fmt: skip
+                       "--json", out.name, "--t-launch", str(time.time()),
+                       "--kernels", args.kernels]  # fmt: skip
                 subprocess.run(cmd, check=True)
                 results[names[which]] = json.loads(Path(out.name).read_text())
         if args.nanogpt_dir is not None:
@@ -432,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[names["nanogpt"]] = run_nanogpt(text, args.iters, args.threads, t_launch)
             else:
                 results[names["mindloom"]] = run_mindloom(
-                    args.iters, args.threads, Path(tmp), t_launch
+                    args.iters, args.threads, Path(tmp), t_launch, args.kernels
                 )
         if args.json:
             import json

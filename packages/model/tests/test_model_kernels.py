@@ -214,7 +214,7 @@ def test_failing_compiler_falls_back_to_portable_ops_and_says_so_once(
     K._state.clear()
     try:
         with caplog.at_level(logging.WARNING, logger="mindloom_model"):
-            cfg = get_preset("debug")
+            cfg = get_preset("debug", kernels="auto")
             assert not use_cpu_kernels(cfg)
             model = Llama(cfg)
             Llama(cfg)
