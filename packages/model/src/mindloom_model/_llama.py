@@ -491,8 +491,10 @@ class RMSNorm(nn.Cell):
     def construct(self, x):
         # x [..., D] in compute dtype -> same dtype; the mean over D is a matmul (see
         # _ScaleRowsCols for why), the arithmetic is Hugging Face's
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.eps_t)[0]
+        # getattr: tensor parallelism runs this construct on its own wrapper cell
+        kernel = getattr(self, "kernel", None)
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps_t)[0]
         d = x.shape[-1]
         h = x.astype(ms.float32).reshape(-1, d)  # [N, D]
         mean_sq = ops.matmul(h * h, ops.fill(ms.float32, (d, 1), 1.0 / d))  # [N, 1]
