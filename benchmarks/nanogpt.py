@@ -2,12 +2,14 @@
 
     ./dev bench benchmarks/nanogpt.py                 # the full recipe, 2000 iterations each
     ./dev bench benchmarks/nanogpt.py --iters 300     # a shorter comparison
+    ./dev bench benchmarks/nanogpt.py --nanogpt-dir ~/nanoGPT   # + the real nanoGPT too
 
 Both runs: character-level tiny Shakespeare split 90/10 by characters, 4 layers, 4 heads,
 128 wide, block 64, batch 12, AdamW (0.9, 0.99), weight decay 0.1 on matrices, clip 1.0,
 dropout 0, lr 1e-3 -> 1e-4 cosine with 100 warmup steps, evaluation of 20 held-out batches
 every 250 steps, the same number of threads, each in a fresh process of its own started
-by this one, one after the other. The PyTorch side is a
+by this one, one after the other, each in its default threading environment (no
+OMP_WAIT_POLICY is set for either: a peer runs the way its users run it). The PyTorch side is a
 faithful re-implementation of karpathy/nanoGPT's model.py (GPT-2 block, tied embeddings,
 no biases) and train.py loop (random windows, `get_lr`, `estimate_loss`), eager mode as
 nanoGPT's CPU instructions say (`--compile=False`). Differences, on purpose: the PyTorch
@@ -15,8 +17,13 @@ side evaluates only the held-out split (nanoGPT also re-estimates the train loss
 would only slow it down) and saves no checkpoints; mindloom writes its four (every 500
 steps).
 
-Prints wall time, steady-state tokens/s and final held-out loss of each, and the ratio;
-then what 1.5x nanoGPT would take: the step time it means, next to the time of the step's
+With `--nanogpt-dir`, the real nanoGPT's `train.py` (a checkout whose
+`data/shakespeare_char` is prepared) also runs, with the README's CPU recipe, in the same
+run, and its step time and held-out losses are printed next to the re-implementation's.
+
+Prints wall time, steady-state tokens/s and final held-out loss of each, the ratio, and the
+time from process start (compile included) at which mindloom's held-out loss first reaches
+the peer's final one, against the peer's time to that loss; then what 1.5x nanoGPT would take: the step time it means, next to the time of the step's
 matrix products alone (every product of forward and backward, timed one by one at its
 own shape in torch, at the same thread count), for both models.
 """
@@ -44,7 +51,7 @@ RECIPE = ROOT / "configs" / "nanogpt-shakespeare-char.yaml"
 # nanoGPT (PyTorch), after karpathy/nanoGPT model.py and train.py
 
 
-def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
+def run_nanogpt(text: str, iters: int, threads: int, t_launch: float, seed: int = 1337) -> dict:
     import numpy as np
     import torch
     import torch.nn as nn
@@ -171,11 +178,13 @@ def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
         return float(np.mean(losses))
 
     step_times = []
+    evals = []  # (step, held-out loss, seconds since this process was launched)
     t_start = time.perf_counter()
     last_val = None
     for it in range(iters):
         if it % 250 == 0 and it > 0:
             last_val = val_loss()
+            evals.append((it, last_val, time.time() - t_launch))
         for g in opt.param_groups:
             g["lr"] = get_lr(it)
         t0 = time.perf_counter()
@@ -187,6 +196,7 @@ def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
         opt.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
     last_val = val_loss()
+    evals.append((iters, last_val, time.time() - t_launch))
     wall = time.perf_counter() - t_start
     tokens = batch * block
     return {
@@ -194,6 +204,46 @@ def run_nanogpt(text: str, iters: int, threads: int, seed: int = 1337) -> dict:
         "tokens_per_s": tokens / statistics.median(step_times[10:] or step_times),
         "val_loss": last_val,
         "iters": iters,
+        "evals": evals,
+    }
+
+
+def run_real_nanogpt(checkout: Path, iters: int, threads: int) -> dict:
+    """karpathy/nanoGPT's own train.py with its README's CPU recipe, in its default
+    environment; step times from its log lines ("iter N: loss L, time T ms")."""
+    import re
+    import subprocess
+
+    if not (checkout / "train.py").is_file():
+        raise SystemExit(f"error: --nanogpt-dir {checkout}: no train.py there")
+    if not (checkout / "data" / "shakespeare_char" / "train.bin").is_file():
+        raise SystemExit(
+            f"error: --nanogpt-dir {checkout}: run data/shakespeare_char/prepare.py first"
+        )
+    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu",
+           "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+           "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+           f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--dropout=0.0",
+           "--always_save_checkpoint=False", "--eval_interval=250"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_NUM_THREADS"] = str(threads)
+    t_launch = time.time()
+    proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    step_ms, evals = [], []
+    for line in proc.stdout:
+        if m := re.match(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", line):
+            step_ms.append(float(m.group(2)))
+        elif m := re.match(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", line):
+            evals.append((int(m.group(1)), float(m.group(2)), time.time() - t_launch))
+    if proc.wait() != 0 or not evals or len(step_ms) < 20:
+        raise SystemExit(f"error: nanoGPT's train.py failed (exit {proc.returncode})")
+    return {
+        "wall_s": time.time() - t_launch,
+        "tokens_per_s": 12 * 64 / (statistics.median(step_ms[10:]) / 1e3),
+        "val_loss": evals[-1][1],
+        "iters": iters,
+        "evals": evals,
     }
 
 
@@ -265,7 +315,7 @@ def roofline(threads: int) -> dict:
 # mindloom
 
 
-def run_mindloom(iters: int, threads: int, work: Path) -> dict:
+def run_mindloom(iters: int, threads: int, work: Path, t_launch: float, kernels: str) -> dict:
     import json
 
     from mindloom_train._config import load_config
@@ -278,15 +328,18 @@ def run_mindloom(iters: int, threads: int, work: Path) -> dict:
         f"context.num_threads={threads}",
         "monitor.progress_bar=false",
         "monitor.log_interval=25",
+        f"model.kernels={kernels}",
     ]
     cfg = load_config(RECIPE, overrides)
     # tokenizer and data once, outside the timed part (nanoGPT's prepare.py is not timed)
     from mindloom_train import _data
 
+    t_launch_prep = time.time()
     _data.prepare_tokenizer(cfg, lambda m: None)
     tok = _data.tokenizer_dir(cfg)
     _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok, lambda m: None)
     _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", tok, lambda m: None)
+    t0_wall = time.time()
     trainer = Trainer(cfg, console=open(os.devnull, "w"))  # noqa: SIM115
     t0 = time.perf_counter()
     code = trainer.run()
@@ -300,12 +353,31 @@ def run_mindloom(iters: int, threads: int, work: Path) -> dict:
     ]
     step_times = [r["step_time_s"] for r in recs if "event" not in r][1:]  # first window compiles
     tokens = cfg.training.global_batch_size * cfg.train_dataset.seq_length
+    # data preparation is nanoGPT's prepare.py, untimed there: leave it out here too
+    prep_s = t0_wall - t_launch_prep
+    evals = [(r["step"], r["loss"], r["time"] - t_launch - prep_s)
+             for r in recs if r.get("event") == "eval"]  # fmt: skip
     return {
         "wall_s": wall,
         "tokens_per_s": tokens / statistics.median(step_times),
         "val_loss": trainer.last_eval[0],
         "iters": iters,
+        "evals": evals,
+        "kernels": kernels_in_use(trainer, kernels),
     }
+
+
+def kernels_in_use(trainer, asked: str) -> str:
+    from mindloom_model import Llama
+
+    model = next((c for _, c in trainer.__dict__.items() if isinstance(c, Llama)), None)
+    fused = getattr(model, "loss_kernel", None) is not None if model is not None else None
+    return f"model.kernels={asked}" + ("" if fused is None else f" (fused kernels in use: {fused})")
+
+
+def time_to(evals, target: float) -> float | None:
+    """Seconds from process launch until the held-out loss first reached `target`."""
+    return next((t for _, loss, t in evals if loss <= target), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,22 +386,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", choices=["mindloom", "nanogpt"], default=None)
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # a child's result
+    parser.add_argument("--t-launch", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--nanogpt-dir", type=Path, default=None,
+        help="a karpathy/nanoGPT checkout: also run its own train.py in this run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kernels", choices=("auto", "portable"), default="portable",
+        help="mindloom's model.kernels (auto: the fused CPU kernels)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-roofline", action="store_true", help="skip timing the step's matrix products alone"
     )
-    parser.add_argument(
-        "--omp-wait",
-        choices=("passive", "active"),
-        default="passive",
-        help="OMP_WAIT_POLICY: torch's spinning OpenMP threads collapse on a shared machine",
-    )
     args = parser.parse_args(argv)
+    t_launch = args.t_launch if args.t_launch is not None else time.time()
     os.environ.setdefault("GLOG_v", "3")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    # set before torch starts its thread pool (benchmarks/train_step.py does the same)
-    os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")  # fmt: skip
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: default)')}")  # fmt: skip
     from mindloom_data import bundled_corpus
 
     text = bundled_corpus().read_text(encoding="utf-8")
@@ -345,9 +419,15 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = [sys.executable, os.path.abspath(__file__), "--only", which,
                        "--iters", str(args.iters), "--threads", str(args.threads),
-                       "--omp-wait", args.omp_wait, "--json", out.name]  # fmt: skip
+                       "--json", out.name, "--t-launch", str(time.time()),
+                       "--kernels", args.kernels]  # fmt: skip
                 subprocess.run(cmd, check=True)
                 results[names[which]] = json.loads(Path(out.name).read_text())
+        if args.nanogpt_dir is not None:
+            print("running karpathy/nanoGPT's train.py ...", flush=True)
+            results["real nanoGPT train.py"] = run_real_nanogpt(
+                args.nanogpt_dir.expanduser(), args.iters, args.threads
+            )
     else:
         with tempfile.TemporaryDirectory(prefix="nanogpt-bench-") as tmp:
             what = {
@@ -357,23 +437,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running {what}, {args.threads} threads, "
                   f"{args.iters} iters) in process {os.getpid()} ...", flush=True)  # fmt: skip
             if args.only == "nanogpt":
-                results[names["nanogpt"]] = run_nanogpt(text, args.iters, args.threads)
+                results[names["nanogpt"]] = run_nanogpt(text, args.iters, args.threads, t_launch)
             else:
-                results[names["mindloom"]] = run_mindloom(args.iters, args.threads, Path(tmp))
+                results[names["mindloom"]] = run_mindloom(
+                    args.iters, args.threads, Path(tmp), t_launch, args.kernels
+                )
         if args.json:
             import json
 
             Path(args.json).write_text(json.dumps(results[names[args.only]]))
             return 0
     print()
-    print(f"{'run':24s} {'wall s':>8s} {'tokens/s':>10s} {'held-out loss':>14s}")
+    print(f"{'run':24s} {'wall s':>8s} {'ms/step':>8s} {'tokens/s':>10s} {'held-out loss':>14s}")
     for name, r in results.items():
-        print(f"{name:24s} {r['wall_s']:8.1f} {r['tokens_per_s']:10.0f} {r['val_loss']:14.4f}")
-    if len(results) == 2:
-        m, t = results["mindloom (MindSpore)"], results["nanoGPT (PyTorch)"]
+        print(f"{name:24s} {r['wall_s']:8.1f} {12 * 64 / r['tokens_per_s'] * 1e3:8.1f} "
+              f"{r['tokens_per_s']:10.0f} {r['val_loss']:14.4f}")  # fmt: skip
+    if "mindloom (MindSpore)" in results:
+        print(f"mindloom ran with: {results['mindloom (MindSpore)'].get('kernels', '?')}")
+    m, t = results.get("mindloom (MindSpore)"), results.get("nanoGPT (PyTorch)")
+    if m and t:
         print(f"\nmindloom / nanoGPT: tokens/s x{m['tokens_per_s'] / t['tokens_per_s']:.2f}, "
               f"wall time x{t['wall_s'] / m['wall_s']:.2f} faster")  # fmt: skip
-    if len(results) == 2 and not args.no_roofline:
+        for peer_name in ("nanoGPT (PyTorch)", "real nanoGPT train.py"):
+            peer = results.get(peer_name)
+            if not peer:
+                continue
+            target = peer["val_loss"]
+            mine, theirs = time_to(m["evals"], target), time_to(peer["evals"], target)
+            if mine is None:
+                print(f"to {peer_name}'s final held-out loss {target:.4f}: mindloom never "
+                      f"reached it (best {min(e[1] for e in m['evals']):.4f})")  # fmt: skip
+            else:
+                print(f"to {peer_name}'s final held-out loss {target:.4f} from process start: "
+                      f"mindloom {mine:.1f} s, {peer_name} {theirs:.1f} s: "
+                      f"x{theirs / mine:.2f} sooner")  # fmt: skip
+    if m and t and not args.no_roofline:
         tokens = 12 * 64
         floor = roofline(args.threads)
         t_step = tokens / t["tokens_per_s"]

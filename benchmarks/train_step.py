@@ -1,14 +1,17 @@
 """One compiled training step (forward, backward, AdamW) of mindloom_model vs PyTorch eager.
 
     ./dev bench benchmarks/train_step.py [--presets shakespeare-char,17m] [--steps 10]
-        [--threads 2] [--batch-shakespeare-char 12] [--batch-17m 4]
+        [--threads 2] [--batch-shakespeare-char 12] [--batch-17m 4] [--rounds 2]
 
 For each preset: the compiled step `mindloom train` runs (mindloom_train's TrainStep:
 LlamaWithLoss, global grad-norm clipping at 1.0, the non-finite/spike guard and AdamW
 with bias correction, one GRAPH_MODE graph) and the same architecture written in
 PyTorch eager (SDPA attention, clip_grad_norm_(1.0), torch.optim.AdamW), same batch (packed: several documents per row with segment ids and
-restarting position ids), same thread count, steps interleaved A/B/A/B in one process,
-medians reported. MFU is against the machine's fp32 matmul ceiling, measured here as
+restarting position ids), same thread count. Each framework runs in a fresh process of its
+own, in its default threading environment (no OMP_WAIT_POLICY: a peer runs the way its
+users run it); rounds alternate torch / MindSpore (fused kernels) / MindSpore (portable
+ops, `model.kernels: portable`) so all see the same load, and the per-preset figure is
+the median over rounds of each process's median step. MFU is against the machine's fp32 matmul ceiling, measured here as
 the best square matmul (256..2048) in NumPy, torch and MindSpore at the same thread
 count. The machine is shared: read the load averages it prints.
 """
@@ -39,12 +42,14 @@ def parse(argv):
     p.add_argument("--batch-shakespeare-char", type=int, default=12)
     p.add_argument("--batch-17m", type=int, default=4)
     p.add_argument("--no-segments", action="store_true", help="plain causal batches")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per framework")
     p.add_argument(
-        "--omp-wait",
-        choices=("passive", "active"),
-        default="passive",
-        help="OMP_WAIT_POLICY for torch: spinning OpenMP threads collapse on a shared machine",
+        "--kernels-ab",
+        action="store_true",
+        help="MindSpore only: fused kernels vs portable ops, steps interleaved in one process",
     )
+    p.add_argument("--child", choices=("torch", "auto", "portable"), help=argparse.SUPPRESS)
+    p.add_argument("--json", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -200,19 +205,17 @@ def matmul_ceiling(reps=5):
     return max(results.values()), results
 
 
-def bench_preset(name, batch, args, ceiling):
+def ms_step_fn(name, batch, args, kernels):
     import mindspore as ms
-    import torch
     from mindloom_model import Llama, LlamaWithLoss, get_preset
     from mindloom_train._step import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
-    cfg = get_preset(name)
+    cfg = get_preset(name, kernels=kernels)
     data = make_batch(cfg, batch, segments=not args.no_segments)
-    ntok = batch * cfg.max_seq_len
-    flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
-
     net = LlamaWithLoss(Llama(cfg))
+    if kernels == "auto" and net.model.loss_kernel is None:
+        raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
     weights = ms.ParameterTuple(net.trainable_params())
     step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
     step.set_train(True)
@@ -220,79 +223,189 @@ def bench_preset(name, batch, args, ceiling):
                          adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
     keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
     ms_in = [Tensor(data[k]) for k in keys]
+    return lambda: float(step(*ms_in, hyper)[0].asnumpy())
 
-    tm = torch_llama(cfg)
-    topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.1)
-    t_keys = ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
-    t_in = [
-        torch.from_numpy(data[k]).long() if data[k].dtype == np.int32 else torch.from_numpy(data[k])
-        for k in t_keys
-    ]
 
-    def ms_step():
-        return float(step(*ms_in, hyper)[0].asnumpy())
+def kernels_ab(args) -> int:
+    """Fused kernels vs portable ops, both compiled in this process, steps interleaved
+    so both see the same load; prints medians and the median of per-step ratios."""
+    import mindspore as ms
 
-    def torch_step():
-        topt.zero_grad(set_to_none=True)
-        loss = tm(*t_in)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
-        topt.step()
-        return loss.item()
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    for name in args.presets.split(","):
+        batch = getattr(args, "batch_" + name.replace("-", "_"))
+        fns = {k: ms_step_fn(name, batch, args, k) for k in ("auto", "portable")}
+        losses = {k: fn() for k, fn in fns.items()}  # compiles
+        for _ in range(args.warmup):
+            for fn in fns.values():
+                fn()
+        times = {k: [] for k in fns}
+        for _ in range(args.steps):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = statistics.median(
+            p / a for p, a in zip(times["portable"], times["auto"], strict=True)
+        )
+        print(f"{name}: kernels {med['auto'] * 1e3:.1f} ms/step, portable {med['portable'] * 1e3:.1f}"
+              f" ms/step: x{med['portable'] / med['auto']:.2f} (per-step ratios' median x{ratio:.2f});"
+              f" first losses {losses['auto']:.6f} / {losses['portable']:.6f}")  # fmt: skip
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+    return 0
 
-    t0 = time.perf_counter()
-    ms_step()  # compiles
-    compile_s = time.perf_counter() - t0
+
+def time_preset(name, batch, args, which):
+    """Median seconds per step of one framework (`which`: torch, or MindSpore with
+    model.kernels auto / portable) on one preset, in this process."""
+    cfg_kernels = "portable" if which == "portable" else "auto"
+    import mindspore as ms  # noqa: F401
+    from mindloom_model import get_preset
+
+    cfg = get_preset(name, kernels=cfg_kernels)
+    data = make_batch(cfg, batch, segments=not args.no_segments)
+    if which == "torch":
+        import torch
+
+        tm = torch_llama(cfg)
+        topt = torch.optim.AdamW(tm.parameters(), lr=1e-4, weight_decay=0.1)
+        t_keys = ("tokens", "position_ids", "segment_ids", "labels", "loss_mask")
+        t_in = [torch.from_numpy(data[k]).long() if data[k].dtype == np.int32
+                else torch.from_numpy(data[k]) for k in t_keys]  # fmt: skip
+
+        def fn():
+            topt.zero_grad(set_to_none=True)
+            loss = tm(*t_in)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
+            topt.step()
+            return loss.item()
+
+        compile_s = 0.0
+    else:
+        import mindspore as ms
+        from mindloom_model import Llama, LlamaWithLoss
+        from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+        from mindspore import Tensor
+
+        net = LlamaWithLoss(Llama(cfg))
+        if which == "auto" and net.model.loss_kernel is None:
+            raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
+        weights = ms.ParameterTuple(net.trainable_params())
+        step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
+        step.set_train(True)
+        hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                             adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+        keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+        ms_in = [Tensor(data[k]) for k in keys]
+
+        def fn():
+            return float(step(*ms_in, hyper)[0].asnumpy())
+
+        t0 = time.perf_counter()
+        fn()  # compiles
+        compile_s = time.perf_counter() - t0
     for _ in range(args.warmup):
-        ms_step()
-        torch_step()
-    times = {"mindspore": [], "torch": []}
-    for _ in range(args.steps):  # interleaved so both see the same machine load
-        for fw, fn in (("mindspore", ms_step), ("torch", torch_step)):
-            t = time.perf_counter()
-            fn()
-            times[fw].append(time.perf_counter() - t)
-    med = {fw: statistics.median(v) for fw, v in times.items()}
-    for fw in ("mindspore", "torch"):
-        tps = ntok / med[fw]
-        mfu = flops / med[fw] / (ceiling * 1e9)
-        print(f"{name:18} {batch:>5} {fw:12} {med[fw] * 1e3:9.1f} {tps:9.0f} {mfu:6.1%}")
-    per_round = statistics.median(
-        t / m for t, m in zip(times["torch"], times["mindspore"], strict=True)
-    )
-    print(
-        f"{name:18} mindspore/torch tokens/s: {med['torch'] / med['mindspore']:.2f}x"
-        f" (median of per-round ratios {per_round:.2f}x; compile {compile_s:.1f} s;"
-        f" {cfg.num_params() / 1e6:.1f}M params)"
-    )
-    sys.stdout.flush()
+        fn()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return {"step_s": statistics.median(times), "compile_s": compile_s}
+
+
+def child(args) -> int:
+    import json
+
+    import mindspore as ms
+
+    if args.child == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
+    out = {}
+    for name in args.presets.split(","):
+        batch = getattr(args, "batch_" + name.replace("-", "_"))
+        out[name] = time_preset(name, batch, args, args.child)
+    with open(args.json, "w") as f:
+        json.dump(out, f)
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    # pin every thread pool before the libraries start them
+    # pin every thread pool before the libraries start them; no OMP_WAIT_POLICY
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
-    # torch's OpenMP threads spin while waiting; with other processes on the cores that
-    # makes torch 10-30x slower here, which would flatter MindSpore, so by default they sleep
-    os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
     os.environ.setdefault("GLOG_v", "3")
+    if args.child:
+        return child(args)
+    if args.kernels_ab:
+        return kernels_ab(args)
+    import json
+    import subprocess
+    import tempfile
+
     import mindspore as ms
     import torch
 
     torch.set_num_threads(args.threads)
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
-
     print(
         f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs;"
-        f" {args.threads} threads each; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
+        f" {args.threads} threads each; OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', '(unset: default)')}"
     )
     ceiling, per_lib = matmul_ceiling()
     libs = "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
     print(f"fp32 matmul ceiling ({args.threads} threads): {ceiling:.1f} GFLOP/s  ({libs})")
+    runs = {"torch": [], "auto": [], "portable": []}
+    for r in range(args.rounds):
+        for which in runs:
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", which,
+                       "--json", out.name, "--presets", args.presets,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--threads", str(args.threads),
+                       "--batch-shakespeare-char", str(args.batch_shakespeare_char),
+                       "--batch-17m", str(args.batch_17m)]  # fmt: skip
+                if args.no_segments:
+                    cmd.append("--no-segments")
+                subprocess.run(cmd, check=True)
+                runs[which].append(json.loads(open(out.name).read()))
+        print(
+            f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.1f}", flush=True
+        )
+    label = {"torch": "torch eager", "auto": "ms kernels", "portable": "ms portable"}
     print(f"{'preset':18} {'batch':>5} {'framework':12} {'ms/step':>9} {'tokens/s':>9} {'MFU':>6}")
+    from mindloom_model import get_preset
+
     for name in args.presets.split(","):
-        bench_preset(name, getattr(args, "batch_" + name.replace("-", "_")), args, ceiling)
+        batch = getattr(args, "batch_" + name.replace("-", "_"))
+        cfg = get_preset(name)
+        ntok = batch * cfg.max_seq_len
+        flops = cfg.flops_per_token(cfg.max_seq_len) * ntok
+        med = {w: statistics.median(x[name]["step_s"] for x in runs[w]) for w in runs}
+        for w in runs:
+            mfu = flops / med[w] / (ceiling * 1e9)
+            print(
+                f"{name:18} {batch:>5} {label[w]:12} {med[w] * 1e3:9.1f} {ntok / med[w]:9.0f} {mfu:6.1%}"
+            )
+        rounds = [
+            t[name]["step_s"] / a[name]["step_s"]
+            for t, a in zip(runs["torch"], runs["auto"], strict=True)
+        ]
+        print(
+            f"{name:18} tokens/s: kernels/torch {med['torch'] / med['auto']:.2f}x"
+            f" (per round {', '.join(f'{x:.2f}' for x in rounds)}),"
+            f" kernels/portable {med['portable'] / med['auto']:.2f}x,"
+            f" portable/torch {med['torch'] / med['portable']:.2f}x;"
+            f" {cfg.num_params() / 1e6:.1f}M params"
+        )
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 

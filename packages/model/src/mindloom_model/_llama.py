@@ -72,6 +72,11 @@ class ModelConfig:
     # "eager" is the portable ops path; "flash" uses ops.flash_attention_score on Ascend
     # and falls back to "eager" elsewhere (logged once)
     attention_impl: str = "eager"
+    # "auto": on the CPU backend, fused C++ kernels for norms, SwiGLU, attention and the
+    # loss (compiled on first use; without a compiler, the portable ops, logged once);
+    # "portable": MindSpore's own ops everywhere (see _kernels/). The default stays
+    # portable until the kernels measure faster than it (the model README's figures)
+    kernels: str = "portable"
     # --- model family. "llama" reads only the fields above; "deepseek_v3" (MLA attention,
     # DeepSeekMoE, multi-token prediction: see _deepseek.py) also reads the fields below,
     # named as in Hugging Face's DeepseekV3Config so config.json maps one to one.
@@ -150,6 +155,8 @@ class ModelConfig:
         for i in self.recompute_layers:
             if not 0 <= i < self.num_layers:
                 bad(f"recompute_layers entry {i} is not a layer index in [0, {self.num_layers})")
+        if self.kernels not in ("auto", "portable"):
+            bad(f"kernels must be 'auto' or 'portable', found {self.kernels!r}")
         if self.attention_impl not in ("eager", "flash"):
             bad(f"attention_impl must be 'eager' or 'flash', found {self.attention_impl!r}")
 
@@ -480,10 +487,16 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.eps = eps
         self.weight = Parameter(Tensor(np.ones(dim, np.float32), param_dtype), name="weight")
+        self.kernel = None  # a _kernels.KernelRMSNorm, set by use_cpu_kernels
+        self.eps_t = Tensor(np.array([eps], np.float32))
 
     def construct(self, x):
         # x [..., D] in compute dtype -> same dtype; the mean over D is a matmul (see
         # _ScaleRowsCols for why), the arithmetic is Hugging Face's
+        # getattr: tensor parallelism runs this construct on its own wrapper cell
+        kernel = getattr(self, "kernel", None)
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps_t)[0]
         d = x.shape[-1]
         h = x.astype(ms.float32).reshape(-1, d)  # [N, D]
         mean_sq = ops.matmul(h * h, ops.fill(ms.float32, (d, 1), 1.0 / d))  # [N, 1]
@@ -604,6 +617,7 @@ class Attention(nn.Cell):
         self.wo = lin(cfg.num_heads * dh, d, out_std)
         self.attn_dropout = _dropout(cfg, dropout_site(layer_id, "attn_probs"))
         self.flash = _use_flash(cfg)
+        self.kernel = None  # a _kernels.KernelAttention, set by use_cpu_kernels
 
     def qkv(self, x, cos, sin, q_scale=1.0):
         # x [B, S, D] -> q [B, H, S, Dh], k/v [B, KV, S, Dh], RoPE applied to q and k.
@@ -626,6 +640,16 @@ class Attention(nn.Cell):
 
     def construct(self, x, cos, sin, bias, dropout_key=None):
         # x [B, S, D] -> [B, S, D]
+        if self.kernel is not None:
+            # bias is segment ids [B|1, S] int32 and cos/sin are [B|1, S, 1, Dh] here:
+            # heads stay in the projections' [B, S, H, Dh] layout, no S x S mask exists
+            b, s, _ = x.shape
+            q = self.wq(x).reshape(b, s, self.n_heads, self.head_dim)
+            k = self.wk(x).reshape(b, s, self.n_kv_heads, self.head_dim)
+            v = self.wv(x).reshape(b, s, self.n_kv_heads, self.head_dim)
+            q = apply_rope(q, cos * self.scale, sin * self.scale)
+            o = self.kernel(q, apply_rope(k, cos, sin), v, bias)[0]
+            return self.wo(o.reshape(b, s, self.n_heads * self.head_dim))
         if self.flash:
             q, k, v = self.qkv(x, cos, sin)
             o = _flash_attention(q, k, v, bias, self.n_heads)
@@ -660,9 +684,12 @@ class MLP(nn.Cell):
         self.w1 = Linear(d, f, _normal(rng, (f, d), cfg.init_std), param_dtype, compute_dtype)
         self.w2 = Linear(f, d, _normal(rng, (d, f), out_std), param_dtype, compute_dtype)
         self.w3 = Linear(d, f, _normal(rng, (f, d), cfg.init_std), param_dtype, compute_dtype)
+        self.kernel = None  # a _kernels.KernelSwiGLU, set by use_cpu_kernels
 
     def construct(self, x):
         # x [B, S, D] -> [B, S, F] -> [B, S, D]
+        if self.kernel is not None:
+            return self.w2(self.kernel(self.w1(x), self.w3(x)))
         return self.w2(ops.silu(self.w1(x)) * self.w3(x))
 
 
@@ -722,6 +749,10 @@ class Llama(nn.Cell):
         # allocated before any check; construct builds the [S, S] mask of the actual length
         self.positions = Tensor(np.arange(cfg.max_seq_len, dtype=np.int32)[None])  # [1, S_max]
         self.head_matmul = ops.MatMul(transpose_b=True)
+        self.kernel_attention = False
+        self.loss_kernel = None
+        if use_cpu_kernels(cfg, compute_dtype):
+            _install_kernels(self)
         for i in recompute_layer_ids(cfg):
             self.layers[i].recompute()
 
@@ -731,10 +762,7 @@ class Llama(nn.Cell):
         b, s = tokens.shape
         if position_ids is None:
             position_ids = self.positions[:, :s]  # [1, S]
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
-        pos = self.positions[0, :s]
-        causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
-        bias = attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
+        cos, sin, bias = self.attention_inputs(position_ids, segment_ids)
         x = self.embed(tokens)  # [B, S, D]
         if self.embed_dropout is not None:
             x = self.embed_dropout(x, dropout_key)
@@ -742,6 +770,22 @@ class Llama(nn.Cell):
             x = layer(x, cos, sin, bias, dropout_key)
         x = self.norm(x)
         return self.head(x)
+
+    def attention_inputs(self, position_ids, segment_ids=None):
+        """(cos, sin, bias) every layer takes: RoPE tables [B|1, 1, S, Dh] and the additive
+        mask [B|1, 1, S, S] fp32; with the fused attention kernel, RoPE tables
+        [B|1, S, 1, Dh] and the segment ids [B|1, S] int32 instead (no S x S mask)."""
+        s = position_ids.shape[1]
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
+        if self.kernel_attention:
+            # the kernel reads the documents from the segment ids; RoPE in [B, S, H, Dh]
+            cos, sin = cos.transpose(0, 2, 1, 3), sin.transpose(0, 2, 1, 3)
+            if segment_ids is None:
+                return cos, sin, ops.zeros((1, s), ms.int32)
+            return cos, sin, segment_ids.astype(ms.int32)
+        pos = self.positions[0, :s]
+        causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
+        return cos, sin, attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
 
     def head(self, x):
         # x [B, S, D] -> logits [B, S, V] fp32
@@ -754,6 +798,38 @@ class Llama(nn.Cell):
         else:
             logits = self.lm_head(x)
         return logits.astype(ms.float32)
+
+
+def use_cpu_kernels(cfg: ModelConfig, compute_dtype=ms.float32) -> bool:
+    """Whether a Llama built now runs mindloom's fused CPU kernels (model.kernels: auto)."""
+    if cfg.kernels != "auto" or cfg.family != "llama" or compute_dtype != ms.float32:
+        return False
+    if cfg.param_dtype != "float32":
+        return False
+    if ms.get_context("device_target") != "CPU":
+        return False  # Ascend keeps its native fused ops
+    # the ops carry no sharding strategy for MindSpore's auto-parallel modes
+    if ms.get_auto_parallel_context("parallel_mode") not in ("stand_alone", "data_parallel"):
+        return False
+    from mindloom_model import _kernels
+
+    return _kernels.available()
+
+
+def _install_kernels(model: Llama) -> None:
+    from mindloom_model import _kernels
+
+    for cell in model.cells_and_names():
+        obj = cell[1]
+        if isinstance(obj, RMSNorm):
+            obj.kernel = _kernels.KernelRMSNorm()
+        elif isinstance(obj, MLP):
+            obj.kernel = _kernels.KernelSwiGLU()
+    if model.config.dropout == 0:  # the kernel has no dropout on the probabilities
+        model.kernel_attention = True
+        for layer in model.layers:
+            layer.attn.kernel = _kernels.KernelAttention()
+    model.loss_kernel = _kernels.KernelCrossEntropy()
 
 
 def recompute_layer_ids(cfg: ModelConfig) -> list[int]:
@@ -800,4 +876,14 @@ class LlamaWithLoss(nn.Cell):
         self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None, dropout_key=None
     ):
         logits = self.model(tokens, position_ids, segment_ids, dropout_key)
+        ce = getattr(self.model, "loss_kernel", None)
+        if ce is not None:
+            # the fused loss takes per-token weights: the mask over its sum (or 1/N)
+            v = logits.shape[-1]
+            if loss_mask is None:
+                w = ops.fill(ms.float32, labels.reshape(-1).shape, 1.0 / labels.size)
+            else:
+                m = loss_mask.reshape(-1).astype(ms.float32)
+                w = m / ops.maximum(m.sum(), ops.ones((), ms.float32))
+            return ce(logits.reshape(-1, v), labels.reshape(-1).astype(ms.int32), w)[0]
         return causal_lm_loss(logits, labels, loss_mask)

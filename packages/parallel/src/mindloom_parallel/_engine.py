@@ -11,7 +11,6 @@ import time
 
 import mindspore as ms
 import numpy as np
-from mindloom_model import attention_bias, rope_cos_sin
 from mindspore import Tensor, nn, ops
 
 from mindloom_parallel._comm import all_reduce, comm_stats, exchange
@@ -37,9 +36,7 @@ class _Stage(nn.Cell):
 
     def construct(self, x, position_ids, segment_ids, labels, loss_mask, denom):
         m = self.model
-        s = position_ids.shape[1]
-        cos, sin = rope_cos_sin(position_ids, m.inv_freq)
-        bias = attention_bias(s, segment_ids)
+        cos, sin, bias = m.attention_inputs(position_ids, segment_ids)
         if self.first:
             x = m.embed(x)
             if m.embed_dropout is not None:

@@ -1,0 +1,197 @@
+"""Fused CPU kernels (kernels.cpp) as MindSpore AOT custom operators, each with its bprop.
+
+The C++ source ships in the package and is compiled on first use into the user's cache,
+`$MINDLOOM_CACHE_DIR` or `$XDG_CACHE_HOME/mindloom` or `~/.cache/mindloom`, under
+`kernels/<hash of source, compiler and flags>/`: built into a temporary file and renamed
+into place, under a file lock, so concurrent msrun workers build it once. The compiler is
+`$CXX` (default `g++`). No compiler, a failed build or a non-CPU backend: `available()`
+is False, the model keeps its portable ops, and the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mindspore as ms
+from mindspore import nn, ops
+
+log = logging.getLogger("mindloom_model")
+
+__all__ = [
+    "available",
+    "library_path",
+    "KernelRMSNorm",
+    "KernelSwiGLU",
+    "KernelCrossEntropy",
+    "KernelAttention",
+]
+
+_SOURCE = Path(__file__).with_name("kernels.cpp")
+_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+_state: dict = {}
+
+
+def _cache_root() -> Path:
+    if os.environ.get("MINDLOOM_CACHE_DIR"):
+        return Path(os.environ["MINDLOOM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mindloom"
+
+
+def _build() -> Path:
+    """The compiled library's path, building it if needed; raises RuntimeError on failure."""
+    cxx = os.environ.get("CXX", "g++")
+    exe = shutil.which(cxx.split()[0]) if cxx.strip() else None
+    if exe is None:
+        raise RuntimeError(f"no C++ compiler (CXX={cxx!r} not found)")
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + "\0".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
+    out_dir = _cache_root() / "kernels" / key
+    lib = out_dir / "libmindloom_kernels.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it right now
+        if lib.exists():
+            return lib
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run(
+                [*cxx.split(), *_FLAGS, "-o", tmp, str(_SOURCE)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if proc.returncode != 0 or os.path.getsize(tmp) == 0:
+                msg = (proc.stderr or proc.stdout).strip().splitlines()
+                raise RuntimeError(
+                    f"{cxx} failed (exit {proc.returncode}): {msg[0] if msg else 'no output'}"
+                )
+            os.replace(tmp, lib)  # atomic: a reader never sees half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return lib
+
+
+def library_path() -> Path | None:
+    """The compiled kernel library, or None (the reason is logged once)."""
+    if "lib" not in _state:
+        try:
+            if ms.get_context("device_target") != "CPU":
+                raise RuntimeError("not the CPU backend")
+            _state["lib"] = _build()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            _state["lib"] = None
+            log.warning("mindloom CPU kernels unavailable (%s); using the portable ops", exc)
+    return _state["lib"]
+
+
+def available() -> bool:
+    return library_path() is not None
+
+
+def _op(name: str, out_shape, out_dtype):
+    return ops.Custom(
+        f"{library_path()}:mindloom_{name}",
+        out_shape=out_shape,
+        out_dtype=out_dtype,
+        func_type="aot",
+    )
+
+
+_f32 = ms.float32
+
+
+class KernelRMSNorm(nn.Cell):
+    """(x [..., D] fp32, weight [D] fp32, eps [1] fp32) -> (x / rms(x) * weight, 1 / rms(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("rmsnorm_fwd", lambda x, w, e: (x, x[:-1]), lambda x, w, e: (_f32, _f32))
+        self.bwd = _op("rmsnorm_bwd", lambda x, w, r, g: (x, w), lambda x, w, r, g: (_f32, _f32))
+
+    def construct(self, x, weight, eps):
+        # (y, rstd): rstd reaches bprop through `out`; callers use [0]
+        return self.fwd(x, weight, eps)
+
+    def bprop(self, x, weight, eps, out, dout):
+        dx, dw = self.bwd(x, weight, out[1], dout[0])
+        return dx, dw, ops.zeros_like(eps)
+
+
+class KernelSwiGLU(nn.Cell):
+    """(a, b) -> silu(a) * b, fp32, any equal shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("swiglu_fwd", lambda a, b: a, lambda a, b: _f32)
+        self.bwd = _op("swiglu_bwd", lambda a, b, g: (a, a), lambda a, b, g: (_f32, _f32))
+
+    def construct(self, a, b):
+        return self.fwd(a, b)
+
+    def bprop(self, a, b, out, dout):
+        return self.bwd(a, b, dout)
+
+
+class KernelCrossEntropy(nn.Cell):
+    """(logits [N, V] fp32, labels [N] int32, weight [N] fp32) -> (sum(weight * nll), nll, lse).
+
+    nll = logsumexp(logits) - logits[label], without a softmax in memory; negative labels
+    are clamped to 0 (their weight must be 0, as in the portable loss).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("ce_fwd", lambda x, y: (x[:1], x[:1]), lambda x, y: (_f32, _f32))
+        self.bwd = _op("ce_bwd", lambda x, y, lse, g: x, lambda x, y, lse, g: _f32)
+
+    def construct(self, logits, labels, weight):
+        # (loss, nll, lse): nll and lse reach bprop through `out`; callers use [0]
+        nll, lse = self.fwd(logits, labels)
+        return (nll * weight).sum(), nll, lse
+
+    def bprop(self, logits, labels, weight, out, dout):
+        g = dout[0]
+        dlogits = self.bwd(logits, labels, out[2], weight * g)
+        return dlogits, ops.zeros_like(labels), out[1] * g
+
+
+class KernelAttention(nn.Cell):
+    """Causal attention within documents, never holding an S x S matrix.
+
+    q [B, S, H, Dh] fp32 already multiplied by the softmax scale, k/v [B, S, KV, Dh],
+    segment_ids [B|1, S] int32 -> (o [B, S, H, Dh], lse [B, H, S]). Query i sees key j iff j <= i and both
+    are in the same document; query head h reads kv head h // (H / KV).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op(
+            "attn_fwd",
+            lambda q, k, v, s: (q, [q[0], q[2], q[1]]),
+            lambda q, k, v, s: (_f32, _f32),
+        )
+        self.bwd = _op(
+            "attn_bwd",
+            lambda q, k, v, s, o, lse, g: (q, k, v),
+            lambda q, k, v, s, o, lse, g: (_f32, _f32, _f32),
+        )
+
+    def construct(self, q, k, v, segment_ids):
+        # (o, lse): the row log-sum-exp reaches bprop through `out`; callers use [0]
+        return self.fwd(q, k, v, segment_ids)
+
+    def bprop(self, q, k, v, segment_ids, out, dout):
+        dq, dk, dv = self.bwd(q, k, v, segment_ids, out[0], out[1], dout[0])
+        return dq, dk, dv, ops.zeros_like(segment_ids)

@@ -1,0 +1,415 @@
+// mindloom's fused CPU kernels, called by MindSpore as AOT custom operators.
+//
+// Every entry point has MindSpore's AOT signature:
+//   extern "C" int f(int nparam, void **params, int *ndims, int64_t **shapes,
+//                    const char **dtypes, void *stream, void *extra);
+// params holds the inputs, then the outputs; all tensors are contiguous fp32 except the
+// int32 labels and segment ids. A non-zero return makes MindSpore raise.
+//
+// Vector paths: the hot loops are plain loops the compiler vectorises; `MINDLOOM_SIMD`
+// builds an AVX-512, an AVX2 and a baseline copy of each and the loader picks one at run
+// time from the CPU (GCC function multiversioning), so one library runs on any x86-64.
+// OpenMP spreads rows (norms, loss) or (batch, head) pairs (attention) over the threads.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MINDLOOM_NO_CLONES)
+#define MINDLOOM_SIMD __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define MINDLOOM_SIMD
+#endif
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+int64_t numel(int nd, const int64_t *shape) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= shape[i];
+  return n;
+}
+
+int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// exp(x) in fp32 to ~2 ulp, written so loops over it vectorise (the libm call does not
+// without -ffast-math): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2 (Cephes' polynomial).
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof bits);
+  return p;
+}
+
+// ------------------------------------------------------------------------ RMSNorm
+
+MINDLOOM_SIMD void rmsnorm_fwd_rows(const float *x, const float *w, float *y, float *rstd,
+                                    int64_t n, int64_t d, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * d;
+    float *yr = y + r * d;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < d; ++j) ss += xr[j] * xr[j];
+    const float rs = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    rstd[r] = rs;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) yr[j] = xr[j] * rs * w[j];
+  }
+}
+
+MINDLOOM_SIMD void rmsnorm_bwd_rows(const float *x, const float *w, const float *rstd,
+                                    const float *dy, float *dx, float *dw, int64_t n,
+                                    int64_t d) {
+  const int nt = num_threads();
+  std::vector<float> partial(static_cast<size_t>(nt) * d, 0.f);
+#pragma omp parallel
+  {
+    float *pw = partial.data() + static_cast<int64_t>(thread_id()) * d;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      const float *xr = x + r * d, *gr = dy + r * d;
+      float *dxr = dx + r * d;
+      const float rs = rstd[r];
+      float dot = 0.f;  // sum_j (w dy)_j xhat_j
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < d; ++j) dot += w[j] * gr[j] * xr[j];
+      const float c = dot * rs * rs / static_cast<float>(d);
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) {
+        dxr[j] = rs * (w[j] * gr[j] - xr[j] * c);
+        pw[j] += gr[j] * xr[j] * rs;
+      }
+    }
+  }
+  std::fill(dw, dw + d, 0.f);
+  for (int t = 0; t < nt; ++t) {
+    const float *pw = partial.data() + static_cast<int64_t>(t) * d;
+    for (int64_t j = 0; j < d; ++j) dw[j] += pw[j];
+  }
+}
+
+// ------------------------------------------------------------------------ SwiGLU
+
+MINDLOOM_SIMD void swiglu_fwd_flat(const float *a, const float *b, float *y, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.f + vexp(-a[i])) * b[i];
+}
+
+MINDLOOM_SIMD void swiglu_bwd_flat(const float *a, const float *b, const float *dy, float *da,
+                                   float *db, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = 1.f / (1.f + vexp(-a[i]));
+    db[i] = dy[i] * a[i] * s;
+    da[i] = dy[i] * b[i] * s * (1.f + a[i] * (1.f - s));
+  }
+}
+
+// ------------------------------------------------------------------------ cross-entropy
+
+MINDLOOM_SIMD void ce_fwd_rows(const float *x, const int32_t *labels, float *nll, float *lse,
+                               int64_t n, int64_t v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * v;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < v; ++j) m = std::max(m, xr[j]);
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < v; ++j) s += vexp(xr[j] - m);
+    const float l = m + std::log(s);
+    lse[r] = l;
+    const int64_t y = std::min<int64_t>(std::max<int32_t>(labels[r], 0), v - 1);
+    nll[r] = l - xr[y];
+  }
+}
+
+MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const float *lse,
+                               const float *g, float *dx, int64_t n, int64_t v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * v;
+    float *dr = dx + r * v;
+    const float gr = g[r], l = lse[r];
+    if (gr == 0.f) {
+      std::memset(dr, 0, sizeof(float) * v);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < v; ++j) dr[j] = gr * vexp(xr[j] - l);
+    const int64_t y = std::min<int64_t>(std::max<int32_t>(labels[r], 0), v - 1);
+    dr[y] -= gr;
+  }
+}
+
+// ------------------------------------------------------------------------ attention
+//
+// q [B, S, H, Dh] (already multiplied by the softmax scale), k/v [B, S, KV, Dh],
+// seg [B or 1, S] int32. Query i sees key j iff j <= i and seg[i] == seg[j]. Query head h
+// reads kv head h / (H / KV). Each (batch, head) is one task: its keys are copied
+// transposed ([Dh, S]) so that a query's scores against all keys are Dh axpy's over the
+// key axis (no horizontal sums), and only one row of S scores exists at a time.
+
+struct AttnDims {
+  int64_t b, s, h, kv, dh, seg_b;
+};
+
+// scores[j] = q . k_j for j in [j0, n), from kt [Dh, S]
+MINDLOOM_SIMD void row_scores(const float *q, const float *kt, float *scores, int64_t j0,
+                              int64_t n, int64_t s, int64_t dh) {
+  std::fill(scores + j0, scores + n, 0.f);
+  for (int64_t d = 0; d < dh; ++d) {
+    const float qd = q[d];
+    const float *kr = kt + d * s;
+#pragma omp simd
+    for (int64_t j = j0; j < n; ++j) scores[j] += qd * kr[j];
+  }
+}
+
+// the first key query i may see: its document's first token (documents need not be runs)
+int64_t first_key(const int32_t *sg, int64_t i) {
+  int64_t j = 0;
+  while (sg[j] != sg[i]) ++j;
+  return j;
+}
+
+MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
+                                 const int32_t *seg, float *o, float *lse, AttnDims a) {
+  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
+  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+#pragma omp parallel
+  {
+    std::vector<float> kt(static_cast<size_t>(Dh * S)), p(static_cast<size_t>(S));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < a.b * a.h; ++task) {
+      const int64_t bi = task / a.h, hi = task % a.h, kvi = hi / rep;
+      const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
+      const float *kb = k + bi * S * kstride + kvi * Dh;
+      const float *vb = v + bi * S * kstride + kvi * Dh;
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t d = 0; d < Dh; ++d) kt[d * S + j] = kb[j * kstride + d];
+      for (int64_t i = 0; i < S; ++i) {
+        const float *qi = q + (bi * S + i) * qstride + hi * Dh;
+        float *oi = o + (bi * S + i) * qstride + hi * Dh;
+        const int64_t j0 = first_key(sg, i), n = i + 1;
+        row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
+        float m = -INFINITY;
+        for (int64_t j = j0; j < n; ++j)
+          if (sg[j] == sg[i]) m = std::max(m, p[j]);
+        float l = 0.f;
+        for (int64_t j = j0; j < n; ++j) {
+          const float e = sg[j] == sg[i] ? std::exp(p[j] - m) : 0.f;
+          p[j] = e;
+          l += e;
+        }
+        const float inv = 1.f / l;
+        std::fill(oi, oi + Dh, 0.f);
+        for (int64_t j = j0; j < n; ++j) {
+          const float pj = p[j] * inv;
+          if (pj == 0.f) continue;
+          const float *vj = vb + j * kstride;
+#pragma omp simd
+          for (int64_t d = 0; d < Dh; ++d) oi[d] += pj * vj[d];
+        }
+        lse[(bi * a.h + hi) * S + i] = m + std::log(l);
+      }
+    }
+  }
+}
+
+MINDLOOM_SIMD void attn_bwd_impl(const float *q, const float *k, const float *v,
+                                 const int32_t *seg, const float *o, const float *lse,
+                                 const float *dout, float *dq, float *dk, float *dv, AttnDims a) {
+  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
+  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+#pragma omp parallel
+  {
+    std::vector<float> kt(static_cast<size_t>(Dh * S)), vt(static_cast<size_t>(Dh * S));
+    std::vector<float> p(static_cast<size_t>(S)), dp(static_cast<size_t>(S));
+    std::vector<float> dkb(static_cast<size_t>(S * Dh)), dvb(static_cast<size_t>(S * Dh));
+    // one task per (batch, kv head): it owns that head's dk and dv rows
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < a.b * a.kv; ++task) {
+      const int64_t bi = task / a.kv, kvi = task % a.kv;
+      const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
+      const float *kb = k + bi * S * kstride + kvi * Dh;
+      const float *vb = v + bi * S * kstride + kvi * Dh;
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t d = 0; d < Dh; ++d) {
+          kt[d * S + j] = kb[j * kstride + d];
+          vt[d * S + j] = vb[j * kstride + d];
+        }
+      std::fill(dkb.begin(), dkb.end(), 0.f);
+      std::fill(dvb.begin(), dvb.end(), 0.f);
+      for (int64_t hi = kvi * rep; hi < (kvi + 1) * rep; ++hi) {
+        for (int64_t i = 0; i < S; ++i) {
+          const int64_t row = (bi * S + i) * qstride + hi * Dh;
+          const float *qi = q + row, *oi = o + row, *gi = dout + row;
+          float *dqi = dq + row;
+          const int64_t j0 = first_key(sg, i), n = i + 1;
+          const float l = lse[(bi * a.h + hi) * S + i];
+          row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
+          row_scores(gi, vt.data(), dp.data(), j0, n, S, Dh);
+          float di = 0.f;
+#pragma omp simd reduction(+ : di)
+          for (int64_t d = 0; d < Dh; ++d) di += gi[d] * oi[d];
+          std::fill(dqi, dqi + Dh, 0.f);
+          for (int64_t j = j0; j < n; ++j) {
+            if (sg[j] != sg[i]) continue;
+            const float pj = std::exp(p[j] - l);
+            const float ds = pj * (dp[j] - di);
+            const float *kj = kb + j * kstride;
+            float *dkj = dkb.data() + j * Dh;
+            float *dvj = dvb.data() + j * Dh;
+#pragma omp simd
+            for (int64_t d = 0; d < Dh; ++d) {
+              dqi[d] += ds * kj[d];
+              dkj[d] += ds * qi[d];
+              dvj[d] += pj * gi[d];
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        std::memcpy(dk + bi * S * kstride + j * kstride + kvi * Dh, dkb.data() + j * Dh,
+                    sizeof(float) * Dh);
+        std::memcpy(dv + bi * S * kstride + j * kstride + kvi * Dh, dvb.data() + j * Dh,
+                    sizeof(float) * Dh);
+      }
+    }
+  }
+}
+
+bool attn_dims(int nparam, int *ndims, int64_t **shapes, AttnDims *a) {
+  if (nparam < 4 || ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2) return false;
+  a->b = shapes[0][0];
+  a->s = shapes[0][1];
+  a->h = shapes[0][2];
+  a->dh = shapes[0][3];
+  a->kv = shapes[1][2];
+  a->seg_b = shapes[3][0];
+  if (a->kv <= 0 || a->h % a->kv || shapes[1][1] != a->s || shapes[1][3] != a->dh) return false;
+  return shapes[3][1] == a->s && (a->seg_b == 1 || a->seg_b == a->b);
+}
+
+}  // namespace
+
+// x [N, D], w [D], eps [1] -> y [N, D], rstd [N]
+EXPORT int mindloom_rmsnorm_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                                const char **, void *, void *) {
+  if (nparam != 5) return 1;
+  const int64_t d = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / d;
+  rmsnorm_fwd_rows(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                   static_cast<float *>(params[3]), static_cast<float *>(params[4]), n, d,
+                   static_cast<float *>(params[2])[0]);
+  return 0;
+}
+
+// x [N, D], w [D], rstd [N], dy [N, D] -> dx [N, D], dw [D]
+EXPORT int mindloom_rmsnorm_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                                const char **, void *, void *) {
+  if (nparam != 6) return 1;
+  const int64_t d = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / d;
+  rmsnorm_bwd_rows(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                   static_cast<float *>(params[2]), static_cast<float *>(params[3]),
+                   static_cast<float *>(params[4]), static_cast<float *>(params[5]), n, d);
+  return 0;
+}
+
+// a, b -> silu(a) * b
+EXPORT int mindloom_swiglu_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                               const char **, void *, void *) {
+  if (nparam != 3) return 1;
+  swiglu_fwd_flat(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                  static_cast<float *>(params[2]), numel(ndims[0], shapes[0]));
+  return 0;
+}
+
+// a, b, dy -> da, db
+EXPORT int mindloom_swiglu_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                               const char **, void *, void *) {
+  if (nparam != 5) return 1;
+  swiglu_bwd_flat(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                  static_cast<float *>(params[2]), static_cast<float *>(params[3]),
+                  static_cast<float *>(params[4]), numel(ndims[0], shapes[0]));
+  return 0;
+}
+
+// logits [N, V], labels [N] int32 -> nll [N], lse [N]
+EXPORT int mindloom_ce_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  if (nparam != 4 || ndims[0] != 2) return 1;
+  ce_fwd_rows(static_cast<float *>(params[0]), static_cast<int32_t *>(params[1]),
+              static_cast<float *>(params[2]), static_cast<float *>(params[3]), shapes[0][0],
+              shapes[0][1]);
+  return 0;
+}
+
+// logits [N, V], labels [N], lse [N], g [N] -> dlogits [N, V]
+EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  if (nparam != 5 || ndims[0] != 2) return 1;
+  ce_bwd_rows(static_cast<float *>(params[0]), static_cast<int32_t *>(params[1]),
+              static_cast<float *>(params[2]), static_cast<float *>(params[3]),
+              static_cast<float *>(params[4]), shapes[0][0], shapes[0][1]);
+  return 0;
+}
+
+// q [B, S, H, Dh], k, v [B, S, KV, Dh], seg [B|1, S] -> o [B, S, H, Dh], lse [B, H, S]
+EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                             const char **, void *, void *) {
+  AttnDims a;
+  if (nparam != 6 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  attn_fwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
+                static_cast<float *>(params[4]), static_cast<float *>(params[5]), a);
+  return 0;
+}
+
+// q, k, v, seg, o, lse, do -> dq, dk, dv
+EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                             const char **, void *, void *) {
+  AttnDims a;
+  if (nparam != 10 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  attn_bwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
+                static_cast<float *>(params[4]), static_cast<float *>(params[5]),
+                static_cast<float *>(params[6]), static_cast<float *>(params[7]),
+                static_cast<float *>(params[8]), static_cast<float *>(params[9]), a);
+  return 0;
+}

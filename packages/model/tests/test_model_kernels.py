@@ -1,0 +1,249 @@
+"""The fused CPU kernels against NumPy (forward), torch autograd (gradients) and the
+portable ops (forward, gradients, and a whole model's losses over 20 training steps)."""
+
+import logging
+import os
+import shutil
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+from mindloom_model import Llama, LlamaWithLoss, get_preset
+from mindloom_model import _kernels as K
+from mindloom_model._llama import RMSNorm, attention, attention_bias, use_cpu_kernels
+from mindspore import Tensor, nn, ops
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++").split()[0] or "g++") is None,
+    reason="no C++ compiler: the kernels cannot be built (the portable path is tested elsewhere)",
+)
+
+rng = np.random.default_rng(7)
+
+
+def grads(fn, args, positions):
+    return ms.grad(fn, positions)(*[Tensor(a) for a in args])
+
+
+def packed_segments(b, s):
+    """[B, S] int32: each row cut into 1-4 documents of random lengths."""
+    seg = np.zeros((b, s), np.int32)
+    for i in range(b):
+        cuts = np.sort(
+            rng.choice(np.arange(1, s), size=min(rng.integers(0, 4), s - 1), replace=False)
+        )
+        for c in cuts:
+            seg[i, c:] += 1
+    return seg
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 17), (1, 1, 64), (5, 128)])
+def test_rmsnorm_forward_and_gradients(shape):
+    d = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32) * 2
+    w = rng.standard_normal(d).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    eps = np.array([1e-5], np.float32)
+    kern = K.KernelRMSNorm()
+    y = kern(Tensor(x), Tensor(w), Tensor(eps))[0].asnumpy()
+    ref = w * x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+    gt = Tensor(g)
+    dx, dw = grads(lambda a, b: (kern(a, b, Tensor(eps))[0] * gt).sum(), (x, w), (0, 1))
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(w, requires_grad=True)
+    (
+        wt * xt * torch.rsqrt((xt * xt).mean(-1, keepdim=True) + 1e-5) * torch.tensor(g)
+    ).sum().backward()
+    np.testing.assert_allclose(dx.asnumpy(), xt.grad.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dw.asnumpy(), wt.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+    norm = RMSNorm(d, 1e-5)  # the portable path
+    norm.weight.set_data(Tensor(w))
+    np.testing.assert_allclose(y, norm(Tensor(x)).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 33), (4, 384), (1, 1, 1)])
+def test_swiglu_forward_and_gradients(shape):
+    a = (rng.standard_normal(shape) * 4).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    kern = K.KernelSwiGLU()
+    y = kern(Tensor(a), Tensor(b)).asnumpy()
+    np.testing.assert_allclose(y, a / (1 + np.exp(-a.astype(np.float64))) * b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, (ops.silu(Tensor(a)) * Tensor(b)).asnumpy(), rtol=1e-5, atol=1e-6)
+
+    gt = Tensor(g)
+    da, db = grads(lambda p, q: (kern(p, q) * gt).sum(), (a, b), (0, 1))
+    at, bt = torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)
+    (torch.nn.functional.silu(at) * bt * torch.tensor(g)).sum().backward()
+    np.testing.assert_allclose(da.asnumpy(), at.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db.asnumpy(), bt.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+
+@pytest.mark.parametrize("n,v", [(37, 65), (8, 8000), (5, 3)])
+def test_cross_entropy_forward_and_gradients(n, v):
+    logits = (rng.standard_normal((n, v)) * 5).astype(np.float32)
+    labels = rng.integers(0, v, n).astype(np.int32)
+    labels[0] = -100  # padding: clamped, and weighted 0 below
+    weight = rng.random(n).astype(np.float32)
+    weight[0] = 0.0
+    kern = K.KernelCrossEntropy()
+    loss = kern(Tensor(logits), Tensor(labels), Tensor(weight))[0].asnumpy()
+    x64 = logits.astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1)) + x64.max(-1)
+    nll = lse - x64[np.arange(n), np.maximum(labels, 0)]
+    np.testing.assert_allclose(loss, (nll * weight).sum(), rtol=1e-5)
+
+    dx = grads(lambda x: kern(x, Tensor(labels), Tensor(weight))[0], (logits,), 0)
+    xt = torch.tensor(logits, requires_grad=True)
+    tl = torch.tensor(np.maximum(labels, 0)).long()
+    (
+        torch.nn.functional.cross_entropy(xt, tl, reduction="none") * torch.tensor(weight)
+    ).sum().backward()
+    np.testing.assert_allclose(dx.asnumpy(), xt.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def torch_attention(q, k, v, seg):
+    # q [B, S, H, Dh] (pre-scaled), k/v [B, S, KV, Dh]: the masked softmax written out
+    b, s, h, _ = q.shape
+    rep = h // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()[None] & (seg[:, :, None] == seg[:, None, :])
+    scores = (qh @ kh.transpose(-1, -2)).masked_fill(~allowed[:, None], float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "b,s,h,kv,dh,segments",
+    [
+        (2, 13, 4, 2, 8, True),
+        (3, 37, 2, 2, 16, True),
+        (1, 64, 4, 4, 32, False),
+        (2, 5, 6, 1, 4, True),
+    ],
+)
+def test_attention_forward_and_gradients(b, s, h, kv, dh, segments):
+    q = rng.standard_normal((b, s, h, dh)).astype(np.float32) / np.sqrt(dh)
+    k = rng.standard_normal((b, s, kv, dh)).astype(np.float32)
+    v = rng.standard_normal((b, s, kv, dh)).astype(np.float32)
+    seg = packed_segments(b, s) if segments else np.zeros((1, s), np.int32)
+    g = rng.standard_normal((b, s, h, dh)).astype(np.float32)
+    kern = K.KernelAttention()
+    o = kern(Tensor(q), Tensor(k), Tensor(v), Tensor(seg))[0].asnumpy()
+
+    # NumPy: the masked softmax over the full S x S square
+    rep = h // kv
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    kh, vh = np.repeat(kh, rep, 1), np.repeat(vh, rep, 1)
+    allowed = np.tril(np.ones((s, s), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    scores = np.where(allowed[:, None], qh @ kh.transpose(0, 1, 3, 2), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = ((p / p.sum(-1, keepdims=True)) @ vh).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-5)
+
+    # the portable path: the model's eager attention with its additive mask
+    bias = attention_bias(s, Tensor(seg) if segments else None)
+    port = attention(Tensor(qh.copy()), Tensor(k.transpose(0, 2, 1, 3).copy()),
+                     Tensor(v.transpose(0, 2, 1, 3).copy()), bias, rep, None, 1.0)  # fmt: skip
+    np.testing.assert_allclose(o, port.asnumpy().transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-5)
+
+    gt, st = Tensor(g), Tensor(seg)
+    dq, dk, dv = grads(lambda x, y, z: (kern(x, y, z, st)[0] * gt).sum(), (q, k, v), (0, 1, 2))
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    (torch_attention(tq, tk, tv, torch.tensor(seg)) * torch.tensor(g)).sum().backward()
+    for mine, theirs in ((dq, tq), (dk, tk), (dv, tv)):
+        np.testing.assert_allclose(mine.asnumpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- whole model
+
+
+def train_losses(kernels: str, steps: int = 20):
+    cfg = get_preset("debug", kernels=kernels)
+    net = LlamaWithLoss(Llama(cfg, seed=3))
+    assert (net.model.loss_kernel is not None) == (kernels == "auto")
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-3)
+    step = nn.TrainOneStepCell(net, opt)
+    data = np.random.default_rng(11)
+    b, s = 3, cfg.max_seq_len
+    # one fixed packed batch, so the losses must fall as the model memorises it
+    tokens = data.integers(0, cfg.vocab_size, (b, s + 1)).astype(np.int32)
+    seg = np.repeat(np.arange(4, dtype=np.int32), [5, 11, 3, s - 19])[None].repeat(b, 0)
+    seg[1] = 0  # one row is a single document
+    pos = np.zeros((b, s), np.int32)
+    for i in range(b):  # positions restart at each document
+        for j in range(1, s):
+            pos[i, j] = 0 if seg[i, j] != seg[i, j - 1] else pos[i, j - 1] + 1
+    mask = (data.random((b, s)) > 0.2).astype(np.float32)
+    args = [Tensor(a) for a in (tokens[:, :-1], tokens[:, 1:], pos, seg, mask)]
+    return np.array([float(step(*args).asnumpy()) for _ in range(steps)])
+
+
+def test_whole_model_losses_equal_the_portable_path_over_20_steps():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        fused, portable = train_losses("auto"), train_losses("portable")
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert fused[-1] < fused[0]  # it learns
+    np.testing.assert_allclose(fused, portable, rtol=0, atol=1e-5)
+
+
+def test_failing_compiler_falls_back_to_portable_ops_and_says_so_once(
+    tmp_path, monkeypatch, caplog
+):
+    saved = dict(K._state)
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("MINDLOOM_CACHE_DIR", str(tmp_path))
+    K._state.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="mindloom_model"):
+            cfg = get_preset("debug", kernels="auto")
+            assert not use_cpu_kernels(cfg)
+            model = Llama(cfg)
+            Llama(cfg)
+        assert model.loss_kernel is None and model.layers[0].mlp.kernel is None
+        said = [r.message for r in caplog.records if "kernels unavailable" in r.message]
+        assert len(said) == 1 and "/bin/false failed" in said[0], said
+        out = model(Tensor(np.zeros((1, 8), np.int32)))
+        assert out.shape == (1, 8, cfg.vocab_size)
+    finally:
+        K._state.clear()
+        K._state.update(saved)
+
+
+def test_the_kernel_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    saved = dict(K._state)
+    monkeypatch.setenv("MINDLOOM_CACHE_DIR", str(tmp_path))
+    K._state.clear()
+    try:
+        lib = K.library_path()
+        assert lib is not None and lib.is_file() and lib.parent.parent == tmp_path / "kernels"
+        assert [p.name for p in lib.parent.iterdir() if p.suffix == ".so"] == [lib.name]
+        mtime = lib.stat().st_mtime_ns
+        K._state.clear()
+        assert K.library_path() == lib and lib.stat().st_mtime_ns == mtime
+    finally:
+        K._state.clear()
+        K._state.update(saved)
+
+
+def test_portable_config_is_validated():
+    with pytest.raises(ValueError, match="kernels must be 'auto' or 'portable'"):
+        get_preset("debug", kernels="fast")
