@@ -88,7 +88,9 @@ async def test_mouse_clicks_switch_panes(run_dir):
         assert app.pane == "events"
         await pilot.click("#tabs", offset=(22, 0))
         assert app.pane == "log"
-        # the footer's bindings are clickable too
+        # the footer's bindings are clickable too; focus moved to the log, so the footer
+        # recomposes its keys: let it settle before taking the key's position
+        await pilot.pause()
         range_key = next(k for k in app.query(FooterKey) if k.key == "r")
         await pilot.click(range_key)
         assert app.last_n == 1000
