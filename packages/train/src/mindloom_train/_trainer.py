@@ -711,13 +711,7 @@ class Trainer:
             code, reason = known
             self._log_error(reason)
         finally:
-            est = getattr(self, "memory_estimate", None)
-            if est is not None:  # every rank's log: the estimate against what happened
-                try:
-                    self.log(f"memory: peak RSS {peak_rss_mb():.1f} MiB on rank {self.rank}; "
-                             f"estimate {est.total / 2**20:.1f} MiB")  # fmt: skip
-                except OSError:
-                    pass
+            self._log_peak_memory()
             try:  # best effort: the failure may be the metrics file itself (ENOSPC)
                 self.metrics.event("end", step=self.step, status=status, reason=reason,
                                    exit_code=code)  # fmt: skip
@@ -739,7 +733,21 @@ class Trainer:
 
         return dropout_key(self.cfg.seed, step, self.dp_rank * self.accum + micro)
 
+    def _log_peak_memory(self) -> None:
+        # every rank's log: the estimate against what happened; before an error line, so
+        # `error: ...` stays the last line a failed run prints
+        est = getattr(self, "memory_estimate", None)
+        if est is None or getattr(self, "_peak_logged", False):
+            return
+        self._peak_logged = True
+        try:
+            self.log(f"memory: peak RSS {peak_rss_mb():.1f} MiB on rank {self.rank}; "
+                     f"estimate {est.total / 2**20:.1f} MiB")  # fmt: skip
+        except OSError:
+            pass
+
     def _log_error(self, reason: str) -> None:
+        self._log_peak_memory()
         try:
             self.log(f"error: {reason}")
         except OSError:  # train.log itself failed (ENOSPC): the console still gets it
@@ -1180,7 +1188,18 @@ class Trainer:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set (the kernel's high-water mark), MiB."""
+    """This process's peak resident set (the kernel's high-water mark), MiB.
+
+    VmHWM belongs to this process's own address space. ru_maxrss does not: Linux carries
+    it over exec from the process that spawned us, so a run started by a big parent (a
+    test session of 2.4 GB) would report the parent's peak."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
