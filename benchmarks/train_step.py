@@ -206,13 +206,19 @@ def matmul_ceiling(reps=5):
 
 
 def ms_step_fn(name, batch, args, kernels):
+    from mindloom_model import get_preset
+
+    cfg = get_preset(name, kernels=kernels)
+    return _ms_train_step(cfg, make_batch(cfg, batch, segments=not args.no_segments), kernels)
+
+
+def _ms_train_step(cfg, data, kernels):
+    """One compiled mindloom train step on `data`, as a no-argument callable -> loss."""
     import mindspore as ms
-    from mindloom_model import Llama, LlamaWithLoss, get_preset
+    from mindloom_model import Llama, LlamaWithLoss
     from mindloom_train._step import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
-    cfg = get_preset(name, kernels=kernels)
-    data = make_batch(cfg, batch, segments=not args.no_segments)
     net = LlamaWithLoss(Llama(cfg))
     if kernels == "auto" and net.model.loss_kernel is None:
         raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
@@ -285,24 +291,7 @@ def time_preset(name, batch, args, which):
 
         compile_s = 0.0
     else:
-        import mindspore as ms
-        from mindloom_model import Llama, LlamaWithLoss
-        from mindloom_train._step import TrainStep, decay_flags, hyper_vector
-        from mindspore import Tensor
-
-        net = LlamaWithLoss(Llama(cfg))
-        if which == "auto" and net.model.loss_kernel is None:
-            raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
-        weights = ms.ParameterTuple(net.trainable_params())
-        step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
-        step.set_train(True)
-        hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                             adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
-        keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
-        ms_in = [Tensor(data[k]) for k in keys]
-
-        def fn():
-            return float(step(*ms_in, hyper)[0].asnumpy())
+        fn = _ms_train_step(cfg, data, which)
 
         t0 = time.perf_counter()
         fn()  # compiles

@@ -40,14 +40,6 @@ def np_keep(seed, step, micro, site, p, shape):
     return r >= U(int(p * 2**32))
 
 
-@pytest.fixture
-def graph_mode():
-    old = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    yield
-    ms.set_context(mode=old)
-
-
 class Apply(nn.Cell):
     def __init__(self, drop):
         super().__init__()

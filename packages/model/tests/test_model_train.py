@@ -31,14 +31,6 @@ class GradCell(nn.Cell):
         return self.net(*args), self.grad(self.net, self.params)(*args)
 
 
-@pytest.fixture
-def graph_mode():
-    old = ms.get_context("mode")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    yield
-    ms.set_context(mode=old)
-
-
 def pynative_loss_and_grads(net):
     old = ms.get_context("mode")
     ms.set_context(mode=ms.PYNATIVE_MODE)
