@@ -20,7 +20,15 @@ import numpy as np
 import pytest
 import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
-from train_testutil import SCHED, base_config, events, run_cli, run_config, step_records
+from train_testutil import (
+    SCHED,
+    base_config,
+    events,
+    kill_msrun,
+    run_cli,
+    run_config,
+    step_records,
+)
 
 STEPS = 6
 SPEED = 0.01  # large enough that the bias moves the routing within 6 steps
@@ -38,21 +46,6 @@ def _config(prepared, run: Path, **sections) -> dict:
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return cfg
-
-
-def _kill_msrun(log_dir: Path) -> None:
-    """Stop the msrun job this test started (found by its own log directory)."""
-    import signal
-
-    needle = f"--log_dir={log_dir.resolve()}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "cmdline").read_bytes():
-                os.killpg(os.getpgid(int(entry.name)), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +89,7 @@ def dp_run(prepared, runs) -> Path:
         assert dp.returncode == 0, f"dp2: {err[-3000:]}"
     finally:
         if dp.poll() is None:  # only after a timeout
-            _kill_msrun(run / "msrun_logs")
+            kill_msrun(run / "msrun_logs")
             dp.kill()
             dp.communicate()
     return run
