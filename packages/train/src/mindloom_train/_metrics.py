@@ -187,17 +187,31 @@ def progress_text(rec: dict[str, Any], total: int, width: int = 20) -> str:
     return " ".join(parts)
 
 
-def mem_rss_mb() -> float:
+def _status_mib(field: str) -> float:
+    """A kB field of /proc/self/status in MiB; ru_maxrss where /proc is not there."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024.0
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def mem_rss_mb() -> float:
+    return _status_mib("VmRSS:")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (the kernel's high-water mark), MiB.
+
+    VmHWM belongs to this process's own address space. ru_maxrss does not: Linux carries
+    it over exec from the process that spawned us, so a run started by a big parent (a
+    test session of 2.4 GB) would report the parent's peak."""
+    return _status_mib("VmHWM:")
 
 
 def measure_cpu_peak_flops(seconds: float = 0.3) -> float:

@@ -24,7 +24,14 @@ import numpy as np
 from mindloom_train import _checkpoint as ck
 from mindloom_train._config import Config, ConfigError, drift_hash, dump_config, show
 from mindloom_train._faults import FaultInjector
-from mindloom_train._metrics import MetricsWriter, RunLog, mem_rss_mb, peak_flops, progress_text
+from mindloom_train._metrics import (
+    MetricsWriter,
+    RunLog,
+    mem_rss_mb,
+    peak_flops,
+    peak_rss_mb,
+    progress_text,
+)
 from mindloom_train._schedule import lr_at, schedule_signature
 from mindloom_train._watchdog import EXIT_HANG
 
@@ -1185,24 +1192,6 @@ class Trainer:
             self.log("profiler: trace written")
         except Exception as exc:
             self.log(f"profiler: failed to write the trace ({exc})")
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set (the kernel's high-water mark), MiB.
-
-    VmHWM belongs to this process's own address space. ru_maxrss does not: Linux carries
-    it over exec from the process that spawned us, so a run started by a big parent (a
-    test session of 2.4 GB) would report the parent's peak."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _first_line(exc: BaseException) -> str:
