@@ -12,17 +12,6 @@ os.environ.setdefault("GLOG_v", "3")
 sys.path.insert(0, str(Path(__file__).parent))  # train_testutil
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` run only with MINDLOOM_SLOW_TESTS=1 (`./dev test --slow`);
-    otherwise they are deselected (not skipped: the suite's count stays what ran)."""
-    if os.environ.get("MINDLOOM_SLOW_TESTS") == "1":
-        return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
-
-
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> dict[str, str]:
     """A char tokenizer and train/eval .bin/.idx from the bundled corpus (built once)."""

@@ -13,7 +13,6 @@ project's machine (issue 22 item 6).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,7 @@ from train_testutil import events, step_records
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "nanogpt-shakespeare-char.yaml"
 
 
-@pytest.mark.skipif(
-    os.environ.get("MINDLOOM_SLOW_TESTS") != "1", reason="long: set MINDLOOM_SLOW_TESTS=1"
-)
+@pytest.mark.slow  # deselected unless MINDLOOM_SLOW_TESTS=1 (the root conftest.py)
 def test_nanogpt_recipe_reaches_1_89_at_2000_steps(tmp_path):
     cfg = load_config(RECIPE, [f"run_dir={tmp_path / 'run'}", "monitor.progress_bar=false"])
     assert cfg.training.train_iters == 2000
