@@ -62,13 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = load_config(args.config)
         if args.id_key is not None:
-            cfg["id_key"] = args.id_key
+            cfg.id_key = args.id_key
         if args.jsonl:
-            cfg["output"]["jsonl"] = True
+            cfg.output.jsonl = True
         if args.html_key is not None:
-            cfg["html_key"] = args.html_key
+            cfg.html_key = args.html_key
         if args.max_bad_fraction is not None:
-            cfg["max_bad_fraction"] = args.max_bad_fraction
+            cfg.max_bad_fraction = args.max_bad_fraction
         report = clean(
             args.inputs,
             args.output,
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         from mindloom_data._report import summary_text
 
         print(summary_text(report))
-    limit = cfg["max_bad_fraction"]
+    limit = cfg.max_bad_fraction
     frac = report["read"]["bad_fraction"]
     if limit is not None and frac > limit:
         print(

@@ -16,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mindloom_data._executors import Executor, check_fault, make_executor
+from mindloom_data._executors import Executor, Job, make_executor
+from mindloom_data._faults import check_fault
 from mindloom_data._markers import read_rank_marker
 from mindloom_data._readers import ReadStats, resolve_inputs
 from mindloom_data._tokenize import (
@@ -66,6 +67,14 @@ def run_rank(run: TokenizeRun, stage: str, rank: int) -> None:
     )
     check_fault(run.work, stage, rank)
     atomic_write_json(marker, stats.to_dict())
+
+
+def _rank_inputs(run: TokenizeRun, stage: str, rank: int) -> list[str]:
+    return run.slice(rank) if stage == "tokenize" else [run.work]
+
+
+JOB = Job("tokenize", lambda payload: TokenizeRun(**payload), run_rank, _rank_inputs)
+JOB_REF = f"{__name__}:JOB"  # what the executors are handed
 
 
 def tokenize_ranks(
@@ -138,7 +147,7 @@ def tokenize_ranks(
             progress("tokenize", done, tasks)
 
     try:
-        ex.map_ranks("tokenize", json.dumps(ident), "tokenize", tasks, on_done)
+        ex.map_ranks(JOB_REF, json.dumps(ident), "tokenize", tasks, on_done)
     finally:
         if ex is not executor:
             ex.close()
