@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from mindloom_data._atomic import atomic_write_json
 from mindloom_data._clean_config import CleanConfig
 from mindloom_data._dedup import cluster_stage, exact_stage, lsh_stage, paragraph_stage
 from mindloom_data._executors import Job
@@ -51,7 +52,7 @@ from mindloom_data._write_steps import (
     load_decisions,
     read_kept,
 )
-from mindloom_data._writers import SCHEMA, atomic_write_json
+from mindloom_data._writers import SCHEMA
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mindloom_data._atomic import atomic_write_bytes, atomic_write_json
 from mindloom_data._clean_config import DEFAULTS, CleanConfig, CleanError, load_config
 from mindloom_data._clean_stages import JOB_REF, Run, run_rank, stages
 from mindloom_data._dedup import split_key
@@ -29,12 +30,7 @@ from mindloom_data._markers import read_rank_marker, reset_outputs, stale_reason
 from mindloom_data._readers import ReadStats, resolve_inputs
 from mindloom_data._report import merge_steps, summary_text
 from mindloom_data._web import check_web_config
-from mindloom_data._writers import (
-    atomic_write_bytes,
-    atomic_write_json,
-    load_array,
-    remove_temporaries,
-)
+from mindloom_data._writers import load_array, remove_temporaries
 
 __all__ = ["DEFAULTS", "CleanConfig", "CleanError", "Run", "build_report", "clean", "load_config",
            "run_rank"]  # fmt: skip

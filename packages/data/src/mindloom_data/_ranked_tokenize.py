@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mindloom_data._atomic import atomic_write_bytes, atomic_write_json
 from mindloom_data._executors import Executor, Job, make_executor
 from mindloom_data._faults import check_fault
 from mindloom_data._markers import read_rank_marker
@@ -27,7 +28,6 @@ from mindloom_data._tokenize import (
     read_dataset_metadata,
     write_dataset_metadata,
 )
-from mindloom_data._writers import atomic_write_json
 
 
 @dataclass
@@ -184,8 +184,6 @@ def tokenize_ranks(
 def _merge_side_files(run: TokenizeRun, output_prefix: str, tasks: int) -> None:
     """PREFIX.dataset.json (counts summed) and PREFIX.docmeta.jsonl (ranks in order), as
     one `tokenize` of all inputs writes them."""
-    from mindloom_data._writers import atomic_write_bytes
-
     metas = [read_dataset_metadata(run.prefix(r)) for r in range(tasks)]
     merged = dict(metas[0])
     merged["documents"] = sum(m["documents"] for m in metas)

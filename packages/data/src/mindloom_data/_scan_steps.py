@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from mindloom_data._atomic import save_array
 from mindloom_data._dedup import LINE_BITS, make_key, write_partitioned
 from mindloom_data._filters import Filter, TextInfo
 from mindloom_data._minhash import MinHasher
@@ -32,7 +33,6 @@ from mindloom_data._writers import (
     NpyAppender,
     ParquetShardWriter,
     metadata_json,
-    save_array,
 )
 
 MINHASH_BATCH = 512  # documents per MinHash batch

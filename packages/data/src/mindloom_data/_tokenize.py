@@ -39,6 +39,7 @@ from itertools import chain, repeat
 
 import numpy as np
 
+from mindloom_data._atomic import atomic_write_bytes, atomic_write_json, named_oserror
 from mindloom_data._indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
 from mindloom_data._readers import (
     ReadStats,
@@ -48,7 +49,7 @@ from mindloom_data._readers import (
     record_identity,
     resolve_inputs,
 )
-from mindloom_data._writers import JsonlWriter, atomic_write_json
+from mindloom_data._writers import JsonlWriter
 
 DATASET_METADATA_SUFFIX = ".dataset.json"
 DOC_METADATA_SUFFIX = ".docmeta.jsonl"
@@ -454,8 +455,6 @@ def tokenize(
         if docmeta is not None:
             docmeta.writer.abort()
         if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
-            from mindloom_data._writers import named_oserror
-
             raise named_oserror(exc, output_prefix + ".bin") from None
         raise
     pool.shutdown(wait=True)
@@ -465,12 +464,8 @@ def tokenize(
         dataset_metadata(tok, tokenizer_path, append_bos, append_eos, stats.documents,
                          stats.tokens, metadata_fields, id_key),
     )  # fmt: skip
-    tmp = marker + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": fingerprint, "stats": stats.to_dict()}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
+    done = {"fingerprint": fingerprint, "stats": stats.to_dict()}
+    atomic_write_bytes(marker, json.dumps(done, indent=1).encode())
     return stats
 
 
