@@ -219,7 +219,7 @@ def iter_file(
     if txt_mode not in TXT_MODES:
         raise ValueError(f"txt_mode must be one of {TXT_MODES}, got {txt_mode!r}")
     if path.endswith((".warc.gz", ".warc", ".html", ".htm")):
-        from mindloom_data._web import iter_web_file
+        from mindloom_data._web_read import iter_web_file
 
         yield from iter_web_file(path, stats)
         return
