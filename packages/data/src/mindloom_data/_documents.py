@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -170,3 +171,17 @@ try:
     _STREAM_ERRORS = (*_STREAM_ERRORS, _zstd.ZstdError)
 except ImportError:  # pragma: no cover - zstandard is a dependency
     pass
+
+
+def _count_file(path: str, stats: ReadStats) -> bool:
+    """Count `path` as an input file; False (counted as bad) if it is empty or unreadable."""
+    stats.files += 1
+    try:
+        if os.path.getsize(path) == 0:
+            stats.bad("empty_file", path, None)
+            return False
+    except OSError as exc:
+        stats.bad("unreadable_file", path, None)
+        _note(stats, path, exc)
+        return False
+    return True

@@ -58,6 +58,9 @@ from mindloom_data._documents import (
     ReadStats as ReadStats,
 )
 from mindloom_data._documents import (
+    _count_file as _count_file,
+)
+from mindloom_data._documents import (
     _note as _note,
 )
 from mindloom_data._documents import (
@@ -142,17 +145,3 @@ def iter_file(
         yield from _iter_txt(path, stats, txt_mode)
     else:
         yield from _iter_jsonl(path, text_key, stats, id_key)
-
-
-def _count_file(path: str, stats: ReadStats) -> bool:
-    """Count `path` as an input file; False (counted as bad) if it is empty or unreadable."""
-    stats.files += 1
-    try:
-        if os.path.getsize(path) == 0:
-            stats.bad("empty_file", path, None)
-            return False
-    except OSError as exc:
-        stats.bad("unreadable_file", path, None)
-        _note(stats, path, exc)
-        return False
-    return True

@@ -9,7 +9,7 @@ import mmap
 import os
 from collections.abc import Iterator
 
-from mindloom_data._readers import Document, ReadStats, _count_file, _note
+from mindloom_data._documents import Document, ReadStats, _count_file, _note
 
 __all__ = ["HTML_TYPES", "decode_html", "iter_web_file"]
 
