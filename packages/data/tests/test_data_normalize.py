@@ -64,8 +64,8 @@ def test_private_use_characters_in_the_text_are_not_mistaken_for_placeholders():
 
 
 def test_normalize_config_values_are_checked_with_one_line_naming_the_key():
-    assert load_config({"normalize": {"keep_cjk_punctuation": False}})["normalize"] == {
-        **load_config(None)["normalize"],
+    assert load_config({"normalize": {"keep_cjk_punctuation": False}}).to_dict()["normalize"] == {
+        **load_config(None).to_dict()["normalize"],
         "keep_cjk_punctuation": False,
     }
     with pytest.raises(

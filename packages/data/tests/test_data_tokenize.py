@@ -19,9 +19,10 @@ import pytest
 import zstandard
 from mindloom_data import IndexedDataset, bundled_corpus
 from mindloom_data._cli import main
+from mindloom_data._encode import _texts, chunk_text, chunking_mode
 from mindloom_data._indexed import merge_datasets
 from mindloom_data._readers import ReadStats, iter_documents
-from mindloom_data._tokenize import _texts, chunk_text, chunking_mode, tokenize
+from mindloom_data._tokenize import tokenize
 from mindloom_tokenizer import Tokenizer, train_tokenizer
 
 TRICKY = [

@@ -16,45 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mindloom_data._writers import WriteOnly, named_oserror
+from mindloom_data._atomic import atomic_write_bytes, save_array
 
 
 def description_hash(description: dict) -> str:
     blob = json.dumps(description, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
-
-
-def _save_atomic(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:  # e.g. ENOSPC: no temp file left filling the disk, and a name
-        _drop(tmp)
-        raise named_oserror(exc, path) from None
-
-
-def _write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        _drop(tmp)
-        raise named_oserror(exc, path) from None
-
-
-def _drop(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def cached_arrays(
@@ -94,8 +61,10 @@ def cached_arrays(
                 return found, True
             arrays = build()
             for n in names:
-                _save_atomic(paths[n], arrays[n])
-            _write_text_atomic(desc_path, json.dumps(description, indent=1, sort_keys=True))
+                save_array(paths[n], arrays[n])
+            atomic_write_bytes(
+                desc_path, json.dumps(description, indent=1, sort_keys=True).encode()
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     loaded = load()

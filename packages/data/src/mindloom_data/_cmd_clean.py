@@ -5,12 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mindloom_data._executors import ExecutorError, add_executor_args
-from mindloom_data._normalize import MissingExtraError
-from mindloom_data._pipeline import CleanError, clean
-from mindloom_data._safe_yaml import shown
-
-MAX_MESSAGE = 500  # an error may echo a config value or a path: never a wall of text
+from mindloom_data._clean_config import load_config
+from mindloom_data._executors import add_executor_args
+from mindloom_data._pipeline import clean
 
 
 def add_parser(subparsers) -> None:
@@ -57,44 +54,31 @@ def run(args: argparse.Namespace) -> int:
     if mbf is not None and not 0 <= mbf <= 1:  # NaN fails this too
         print(f"error: --max-bad-fraction must be a number in [0, 1], got {mbf}", file=sys.stderr)
         return 2
-    try:
-        from mindloom_data._pipeline import load_config
-
-        cfg = load_config(args.config)
-        if args.id_key is not None:
-            cfg["id_key"] = args.id_key
-        if args.jsonl:
-            cfg["output"]["jsonl"] = True
-        if args.html_key is not None:
-            cfg["html_key"] = args.html_key
-        if args.max_bad_fraction is not None:
-            cfg["max_bad_fraction"] = args.max_bad_fraction
-        report = clean(
-            args.inputs,
-            args.output,
-            config=cfg,
-            workers=args.workers,
-            text_key=args.text_key,
-            progress=None if not args.quiet else False,
-            executor=args.executor,
-            ray_address=args.ray_address,
-            tasks=args.tasks,
-        )
-    except (CleanError, MissingExtraError, ValueError, ExecutorError) as exc:
-        print(f"error: {shown(str(exc), MAX_MESSAGE)}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # e.g. ENOSPC writing the report: one line naming the file
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"error: {where}{exc.strerror or shown(str(exc), MAX_MESSAGE)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    cfg = load_config(args.config)  # a failure raises: _cli's EXIT_CODES decides the code
+    if args.id_key is not None:
+        cfg.id_key = args.id_key
+    if args.jsonl:
+        cfg.output.jsonl = True
+    if args.html_key is not None:
+        cfg.html_key = args.html_key
+    if args.max_bad_fraction is not None:
+        cfg.max_bad_fraction = args.max_bad_fraction
+    report = clean(
+        args.inputs,
+        args.output,
+        config=cfg,
+        workers=args.workers,
+        text_key=args.text_key,
+        progress=None if not args.quiet else False,
+        executor=args.executor,
+        ray_address=args.ray_address,
+        tasks=args.tasks,
+    )
     if not args.quiet:
         from mindloom_data._report import summary_text
 
         print(summary_text(report))
-    limit = cfg["max_bad_fraction"]
+    limit = cfg.max_bad_fraction
     frac = report["read"]["bad_fraction"]
     if limit is not None and frac > limit:
         print(

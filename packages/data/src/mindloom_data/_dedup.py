@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mindloom_data._atomic import save_array
 from mindloom_data._minhash import exact_jaccard, standard_error
-from mindloom_data._writers import load_array, save_array
+from mindloom_data._writers import load_array
 
 LINE_BITS = 40
 LINE_MASK = (1 << LINE_BITS) - 1

@@ -1,9 +1,10 @@
 """Executors: run the ranks of a stage here (processes) or on a Ray cluster (tasks).
 
 A job (`clean`, `tokenize`) is a list of stages, each a number of independent ranks. A
-rank is named by `(kind, payload, stage, rank)`: `payload` is the job's plain data as a
-JSON string (never a pickled object), so the same rank runs the same code whatever runs
-it. A rank writes its outputs atomically and then its completion marker, so a retried or
+rank is named by `(job_ref, payload, stage, rank)`: `job_ref` is `"module:NAME"` of the
+job's `Job` (imported where the rank runs, so this module imports no job); `payload` is
+the job's plain data as a JSON string (never a pickled object), so the same rank runs the
+same code whatever runs it. A rank writes its outputs atomically and then its completion marker, so a retried or
 rerun rank skips finished work or rewrites the same bytes.
 
 - `LocalExecutor(workers)`: the reference. One worker runs ranks in this process, in
@@ -19,16 +20,18 @@ line naming the stage, the rank and its input files.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from multiprocessing import get_context
-from pathlib import Path
+from typing import Any
 
-FAULT_ENV = "MINDLOOM_DATA_FAULT"
+from mindloom_data._faults import FAULT_ENV, fault_spec
+
 RAY_HINT = "pip install 'mindloom-data[ray]'"
 
 
@@ -39,82 +42,47 @@ class ExecutorError(RuntimeError):
 # --- ranks ------------------------------------------------------------------------------
 
 
-def _clean_job(payload: dict):
-    from mindloom_data._pipeline import Run, run_rank
+@dataclass(frozen=True)
+class Job:
+    """What an executor needs to know about a job, found through its reference.
 
-    run = Run(**payload)
-    return run, run_rank
-
-
-def _tokenize_job(payload: dict):
-    from mindloom_data._ranked_tokenize import TokenizeRun, run_rank
-
-    run = TokenizeRun(**payload)
-    return run, run_rank
-
-
-_JOBS: dict[str, Callable] = {"clean": _clean_job, "tokenize": _tokenize_job}
-
-
-def rank_inputs(kind: str, payload: str, stage: str, rank: int) -> list[str]:
-    """What a rank reads, for error messages."""
-    run, _ = _JOBS[kind](json.loads(payload))
-    if kind == "tokenize":
-        return run.slice(rank) if stage == "tokenize" else [run.work]
-    work = run.work
-    if stage in ("scan", "write"):
-        return [run.files[rank]]
-    if stage == "cluster":
-        return [f"{work}/pairs/"]
-    kind_dir = {"exact": "exact", "lsh": "lsh", "paragraph": "para"}.get(stage, stage)
-    return [f"{work}/exch/{kind_dir}/p{rank:04d}/"]
-
-
-_fault: str | None = None  # the spec of the rank being executed in this process
-
-
-def check_fault(work: str | os.PathLike, stage: str, rank: int) -> None:
-    """Test-only fault injection between a rank's outputs and its completion marker.
-
-    `MINDLOOM_DATA_FAULT=STAGE:RANK:once` fails that rank the first time (leaving a marker
-    file under WORK/faults/), `STAGE:RANK:always` every time, `STAGE:RANK:hang` blocks
-    there forever (after touching WORK/faults/hang-STAGE-RANK). The driver's value travels
-    with each rank, so Ray workers on other nodes see it too.
+    A job module defines one `Job` at module level; executors are handed its reference
+    `"module:NAME"` (a string: it travels to pool workers and Ray tasks as it is) and import
+    it where the rank runs, so this module never imports the jobs it runs.
     """
-    spec = _fault if _fault is not None else os.environ.get(FAULT_ENV, "")
-    for item in filter(None, spec.split(",")):
-        s, r, mode = (item.split(":") + ["once"])[:3]
-        if s != stage or int(r) != rank:
-            continue
-        if mode == "once":
-            marker = Path(work) / "faults" / f"{stage}-{rank}"
-            if marker.exists():
-                return
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_bytes(b"")
-        if mode == "hang":  # stays in the rank until killed (process-lifetime tests)
-            marker = Path(work) / "faults" / f"hang-{stage}-{rank}"
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_bytes(b"")
-            while True:
-                time.sleep(3600)
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={item})")
+
+    name: str  # in messages and Ray task names: "clean", "tokenize"
+    load: Callable[[dict], Any]  # the payload's plain data -> the job's run object
+    run_rank: Callable[[Any, str, int], None]  # (run, stage, rank), skips a marked rank
+    rank_inputs: Callable[[Any, str, int], list[str]]  # what a rank reads, for messages
+
+
+def resolve_job(ref: str) -> Job:
+    """The `Job` named by `"module:NAME"`."""
+    module, _, attr = ref.partition(":")
+    job = getattr(importlib.import_module(module), attr, None)
+    if not isinstance(job, Job):
+        raise ExecutorError(f"job reference {ref!r} does not name a Job")
+    return job
+
+
+def rank_inputs(job_ref: str, payload: str, stage: str, rank: int) -> list[str]:
+    """What a rank reads, for error messages."""
+    job = resolve_job(job_ref)
+    return job.rank_inputs(job.load(json.loads(payload)), stage, rank)
 
 
 def execute_rank(
-    kind: str, payload: str, stage: str, rank: int, fault: str = "", in_ray: bool = False
+    job_ref: str, payload: str, stage: str, rank: int, fault: str = "", in_ray: bool = False
 ):
     """Run one rank unless its completion marker exists; the entry point of every executor.
 
     Returns the rank and, inside a Ray task (`in_ray`), the id of the node that ran it.
     """
-    global _fault
-    run, run_rank = _JOBS[kind](json.loads(payload))
-    _fault = fault
-    try:
-        run_rank(run, stage, rank)
-    finally:
-        _fault = None
+    job = resolve_job(job_ref)
+    run = job.load(json.loads(payload))
+    with fault_spec(fault):
+        job.run_rank(run, stage, rank)
     node = sys.modules["ray"].get_runtime_context().get_node_id() if in_ray else None
     return rank, node
 
@@ -127,10 +95,10 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _failed(kind, payload, stage, rank, attempts, exc_text) -> ExecutorError:
-    inputs = ", ".join(rank_inputs(kind, payload, stage, rank))
+def _failed(job_ref, payload, stage, rank, attempts, exc_text) -> ExecutorError:
+    inputs = ", ".join(rank_inputs(job_ref, payload, stage, rank))
     return ExecutorError(
-        f"{kind} stage {stage} rank {rank} failed after {attempts} attempts "
+        f"{resolve_job(job_ref).name} stage {stage} rank {rank} failed after {attempts} attempts "
         f"(inputs: {inputs}): {_one_line(exc_text)}"
     )
 
@@ -144,7 +112,7 @@ class Executor:
     name = "base"
 
     def map_ranks(
-        self, kind: str, payload: str, stage: str, ranks: int, on_done: Callable[[int], None]
+        self, job_ref: str, payload: str, stage: str, ranks: int, on_done: Callable[[int], None]
     ) -> None:
         raise NotImplementedError
 
@@ -184,23 +152,25 @@ class LocalExecutor(Executor):
             )
         return self._pool
 
-    def map_ranks(self, kind, payload, stage, ranks, on_done) -> None:
+    def map_ranks(self, job_ref, payload, stage, ranks, on_done) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         attempts = self.max_retries + 1
         if self.workers == 1:
             for rank in range(ranks):
                 for attempt in range(1, attempts + 1):
                     try:
-                        execute_rank(kind, payload, stage, rank, fault)
+                        execute_rank(job_ref, payload, stage, rank, fault)
                         break
                     except Exception as exc:
                         if attempt == attempts:
-                            raise _failed(kind, payload, stage, rank, attempts, _what(exc)) from exc
+                            raise _failed(
+                                job_ref, payload, stage, rank, attempts, _what(exc)
+                            ) from exc
                 on_done(rank)
             return
         pool = self._get_pool()
         tries = dict.fromkeys(range(ranks), 1)
-        futures = {pool.submit(execute_rank, kind, payload, stage, r, fault): r for r in tries}
+        futures = {pool.submit(execute_rank, job_ref, payload, stage, r, fault): r for r in tries}
         try:
             while futures:
                 finished, _ = wait(futures, return_when=FIRST_COMPLETED)
@@ -211,9 +181,11 @@ class LocalExecutor(Executor):
                         on_done(rank)
                     elif tries[rank] < attempts:
                         tries[rank] += 1
-                        futures[pool.submit(execute_rank, kind, payload, stage, rank, fault)] = rank
+                        futures[pool.submit(execute_rank, job_ref, payload, stage, rank, fault)] = (
+                            rank
+                        )
                     else:
-                        raise _failed(kind, payload, stage, rank, attempts, _what(exc)) from exc
+                        raise _failed(job_ref, payload, stage, rank, attempts, _what(exc)) from exc
         except BaseException:
             for fut in futures:
                 fut.cancel()
@@ -289,7 +261,7 @@ class RayExecutor(Executor):
             self._remote = ray.remote(**opts)(execute_rank)
         return self._remote
 
-    def map_ranks(self, kind, payload, stage, ranks, on_done) -> None:
+    def map_ranks(self, job_ref, payload, stage, ranks, on_done) -> None:
         ray = self.ray
         remote = self._connect()
         fault = os.environ.get(FAULT_ENV, "")
@@ -297,8 +269,8 @@ class RayExecutor(Executor):
         # a large one (thousands of input files) is stored once and shared.
         payload_ref = ray.put(payload) if len(payload) > 64 * 1024 else payload
         refs = {
-            remote.options(name=f"{kind}:{stage}:{r}").remote(
-                kind, payload_ref, stage, r, fault, True
+            remote.options(name=f"{resolve_job(job_ref).name}:{stage}:{r}").remote(
+                job_ref, payload_ref, stage, r, fault, True
             ): r
             for r in range(ranks)
         }
@@ -313,7 +285,7 @@ class RayExecutor(Executor):
                         cause = getattr(exc, "cause", None)
                         text = f"{type(cause).__name__}: {cause}" if cause else str(exc)
                         raise _failed(
-                            kind, payload, stage, rank, self.max_retries + 1, text
+                            job_ref, payload, stage, rank, self.max_retries + 1, text
                         ) from None
                     on_done(rank)
         except BaseException:

@@ -18,6 +18,8 @@ from array import array
 
 import numpy as np
 
+from mindloom_data._atomic import commit
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 magic + 8 version + 1 dtype + 8 sequence count + 8 document count
@@ -52,21 +54,6 @@ def bin_path(prefix: str | os.PathLike) -> str:
 
 def idx_path(prefix: str | os.PathLike) -> str:
     return os.fspath(prefix) + ".idx"
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        _fsync_path(os.path.dirname(os.path.abspath(path)) or ".")
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
 
 
 class IndexedDataset:
@@ -356,9 +343,8 @@ class IndexedDatasetBuilder:
         final_idx = idx_path(self.prefix)
         if os.path.exists(final_idx):
             os.unlink(final_idx)  # never pair a stale .idx with the new .bin
-        os.replace(self._bin_tmp, bin_path(self.prefix))
-        os.replace(self._idx_tmp, final_idx)
-        _fsync_dir(final_idx)
+        commit(self._bin_tmp, bin_path(self.prefix))
+        commit(self._idx_tmp, final_idx)
         self._done = True
 
     def abort(self) -> None:

@@ -24,7 +24,7 @@ from mindloom_tokenizer.inputs import (
     read_clean_marker,
 )
 
-from mindloom_data._writers import atomic_write_json
+from mindloom_data._atomic import atomic_write_json
 
 VERSION = 1
 

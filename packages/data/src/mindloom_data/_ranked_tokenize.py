@@ -16,7 +16,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mindloom_data._executors import Executor, check_fault, make_executor
+from mindloom_data._atomic import atomic_write_bytes, atomic_write_json
+from mindloom_data._executors import Executor, Job, make_executor
+from mindloom_data._faults import check_fault
 from mindloom_data._markers import read_rank_marker
 from mindloom_data._readers import ReadStats, resolve_inputs
 from mindloom_data._tokenize import (
@@ -26,7 +28,6 @@ from mindloom_data._tokenize import (
     read_dataset_metadata,
     write_dataset_metadata,
 )
-from mindloom_data._writers import atomic_write_json
 
 
 @dataclass
@@ -68,6 +69,14 @@ def run_rank(run: TokenizeRun, stage: str, rank: int) -> None:
     atomic_write_json(marker, stats.to_dict())
 
 
+def _rank_inputs(run: TokenizeRun, stage: str, rank: int) -> list[str]:
+    return run.slice(rank) if stage == "tokenize" else [run.work]
+
+
+JOB = Job("tokenize", lambda payload: TokenizeRun(**payload), run_rank, _rank_inputs)
+JOB_REF = f"{__name__}:JOB"  # what the executors are handed
+
+
 def tokenize_ranks(
     inputs,
     tokenizer_path: str | os.PathLike,
@@ -92,8 +101,6 @@ def tokenize_ranks(
     Returns the counts summed over ranks. Resumable: finished ranks are skipped, and a
     completed run with the same inputs and settings is not redone.
     """
-    from mindloom_data._indexed import merge_datasets
-
     found = ReadStats()  # files of no known format: counted and listed, not read
     files = [os.path.abspath(f) for f in resolve_inputs(inputs, found)]
     tasks = len(files) if tasks is None else tasks
@@ -128,6 +135,15 @@ def tokenize_ranks(
     atomic_write_json(ident_path, ident)
 
     t0 = time.perf_counter()
+    _run_ranks(run, ident, executor, workers, ray_address, progress)
+    report = _merge(run, found, len(files), keep_work)
+    report["seconds"] = time.perf_counter() - t0
+    atomic_write_json(merged, report)
+    return report
+
+
+def _run_ranks(run: TokenizeRun, ident: dict, executor, workers, ray_address, progress) -> None:
+    """Every rank through the executor, which is handed this job's reference."""
     ex = make_executor(executor, workers=workers, ray_address=ray_address)
     done = 0
 
@@ -135,19 +151,26 @@ def tokenize_ranks(
         nonlocal done
         done += 1
         if progress:
-            progress("tokenize", done, tasks)
+            progress("tokenize", done, run.tasks)
 
     try:
-        ex.map_ranks("tokenize", json.dumps(ident), "tokenize", tasks, on_done)
+        ex.map_ranks(JOB_REF, json.dumps(ident), "tokenize", run.tasks, on_done)
     finally:
         if ex is not executor:
             ex.close()
+
+
+def _merge(run: TokenizeRun, found: ReadStats, nfiles: int, keep_work: bool) -> dict:
+    """The ranks' files merged into the output in rank order; their counts summed."""
+    from mindloom_data._indexed import merge_datasets
+
+    tasks, output_prefix, work = run.tasks, run.output_prefix, run.work
     rank_stats = [
         read_rank_marker(Path(work) / "done" / "tokenize" / f"{r:05d}.json") for r in range(tasks)
     ]
     if sum(s["documents"] for s in rank_stats) == 0:
         raise ValueError(
-            f"no documents to tokenize in {len(files)} input files; "
+            f"no documents to tokenize in {nfiles} input files; "
             f"nothing written to {output_prefix}.bin/.idx"
         )
     ds = merge_datasets([run.prefix(r) for r in range(tasks)], output_prefix)
@@ -161,22 +184,17 @@ def tokenize_ranks(
         for k in list(report):
             report[k] += s[k]
         read.merge(ReadStats.from_dict(s["read"]))
-    report.update(
-        dtype=str(ds.dtype), ranks=tasks, read=read.to_dict(), seconds=time.perf_counter() - t0
-    )
+    report.update(dtype=str(ds.dtype), ranks=tasks, read=read.to_dict())
     for r in range(tasks):
         for ext in (".bin", ".idx", ".done.json", DATASET_METADATA_SUFFIX, DOC_METADATA_SUFFIX):
             if not keep_work and os.path.exists(run.prefix(r) + ext):
                 os.unlink(run.prefix(r) + ext)
-    atomic_write_json(merged, report)
     return report
 
 
 def _merge_side_files(run: TokenizeRun, output_prefix: str, tasks: int) -> None:
     """PREFIX.dataset.json (counts summed) and PREFIX.docmeta.jsonl (ranks in order), as
     one `tokenize` of all inputs writes them."""
-    from mindloom_data._writers import atomic_write_bytes
-
     metas = [read_dataset_metadata(run.prefix(r)) for r in range(tasks)]
     merged = dict(metas[0])
     merged["documents"] = sum(m["documents"] for m in metas)

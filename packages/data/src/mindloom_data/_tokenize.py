@@ -32,26 +32,29 @@ import multiprocessing as mp
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import chain, repeat
 
 import numpy as np
 
+from mindloom_data._atomic import atomic_write_bytes, atomic_write_json, named_oserror
+from mindloom_data._encode import (
+    DOC_METADATA_SUFFIX,
+    _DocMetadata,
+    _encode_in_worker,
+    _Encoder,
+    _init_worker,
+    _tasks,
+    _texts,
+    chunking_mode,
+)
 from mindloom_data._indexed import IndexedDataset, IndexedDatasetBuilder, optimal_dtype
 from mindloom_data._readers import (
     ReadStats,
-    _count_file,
-    _jsonl_texts,
-    iter_file,
-    record_identity,
     resolve_inputs,
 )
-from mindloom_data._writers import JsonlWriter, atomic_write_json
 
 DATASET_METADATA_SUFFIX = ".dataset.json"
-DOC_METADATA_SUFFIX = ".docmeta.jsonl"
 DATASET_METADATA_FORMAT = "mindloom-dataset/1"
 
 DEFAULT_CHUNK_CHARS = 1 << 20
@@ -82,209 +85,6 @@ class TokenizeStats:
             "dtype": self.dtype,
             "read": self.read.to_dict(),
         }
-
-
-def chunk_text(text: str, chunk_chars: int, drop_space: bool) -> list[str]:
-    """Cut `text` into pieces of at most about `chunk_chars` at single spaces.
-
-    With `drop_space` the space itself is dropped (the tokenizer adds a dummy-prefix
-    space to every chunk); otherwise it starts the next chunk. Without a space in reach
-    the cut is hard, which can change a few tokens at that point.
-    """
-    if len(text) <= chunk_chars:
-        return [text]
-    out, start, n = [], 0, len(text)
-    while n - start > chunk_chars:
-        hi, lo = start + chunk_chars, start + chunk_chars // 2
-        cut = text.rfind(" ", lo, hi)
-        while cut > lo and (text[cut - 1].isspace() or text[cut + 1].isspace()):
-            cut = text.rfind(" ", lo, cut)
-        if cut <= lo:
-            out.append(text[start:hi])
-            start = hi
-            continue
-        out.append(text[start:cut])
-        start = cut + 1 if drop_space else cut
-    out.append(text[start:])
-    return out
-
-
-def chunking_mode(tok) -> bool | None:
-    """How this tokenizer continues a text cut at a space: drop it (True), keep it
-    (False), or neither reproduces the whole-text encoding (None: never chunk)."""
-    probes = ["hello world", "The quick brown fox", "ab cd\nef gh", "x y"]
-    for drop in (True, False):
-        ok = True
-        for p in probes:
-            i = p.rindex(" ")
-            tail = p[i + 1 :] if drop else p[i:]
-            if tok.encode(p[:i]) + tok.encode(tail) != tok.encode(p):
-                ok = False
-                break
-        if ok:
-            return drop
-    return None
-
-
-# -- reading ---------------------------------------------------------------------------
-
-_JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-
-
-def _texts(
-    inputs, text_key: str, stats: ReadStats, txt_mode: str, docmeta: _DocMetadata | None = None
-) -> Iterator[str]:
-    """The texts `iter_documents` yields, with the same counts in `stats`, faster for JSONL.
-    With `docmeta`, each document's id and chosen fields are queued there, in order."""
-    for path in resolve_inputs(inputs, stats):
-        if path.endswith(_JSONL):
-            # the reader's own JSONL path and counts, without building a Document per line
-            if not _count_file(path, stats):
-                continue
-            if docmeta is None:
-                for _, text in _jsonl_texts(path, text_key, stats):
-                    yield text
-                continue
-            for lineno, text, obj in _jsonl_texts(path, text_key, stats, records=True):
-                docmeta.queue(*record_identity(obj, text_key, docmeta.id_key, f"{path}:{lineno}"))
-                yield text
-        else:
-            docs = iter_file(path, text_key=text_key, stats=stats, txt_mode=txt_mode,
-                             id_key=None if docmeta is None else docmeta.id_key)  # fmt: skip
-            for doc in docs:
-                if docmeta is not None:
-                    docmeta.queue(doc.id, doc.metadata)
-                yield doc.text
-
-
-class _DocMetadata:
-    """PREFIX.docmeta.jsonl: the queued documents' lines, written as the documents are
-    (an empty document is dropped from both), so line i is sequence i."""
-
-    def __init__(self, prefix: str, fields: list[str], id_key: str | None) -> None:
-        self.fields = fields
-        self.id_key = id_key
-        self.pending: deque = deque()
-        self.writer = JsonlWriter(prefix + DOC_METADATA_SUFFIX)
-
-    def queue(self, doc_id: str, metadata: dict | None) -> None:
-        meta = metadata or {}
-        line = {"id": doc_id}
-        for f in self.fields:
-            if f != "id":
-                line[f] = meta.get(f)
-        self.pending.append(line)
-
-    def done(self, kept: bool) -> None:
-        line = self.pending.popleft()
-        if kept:
-            self.writer.write(line)
-
-
-# -- encoding ----------------------------------------------------------------------------
-
-
-class _Encoder:
-    """Encodes a task into its final bytes (BOS before each document's first chunk, EOS
-    after its last) and the number of tokens each text contributes.
-
-    Called from several threads at once: SentencePiece releases the GIL while it
-    encodes, so threads in one process share the work without a worker start-up, a
-    second copy of the model or pickling the texts and tokens between processes.
-    """
-
-    def __init__(self, tok, dtype: np.dtype, eos_id: int | None, bos_id: int | None = None):
-        self.tok = tok
-        self.dtype = np.dtype(dtype)
-        self.eos = [] if eos_id is None else [eos_id]
-        self.bos = bos_id
-
-    def __call__(
-        self, texts: list[str], last: list[bool] | None, first: list[bool] | None = None
-    ) -> tuple[bytes, np.ndarray]:
-        tok = self.tok
-        ids = tok.encode_batch(texts, num_threads=1) if len(texts) > 1 else [tok.encode(texts[0])]
-        if self.bos is not None:
-            for k, is_first in enumerate(repeat(True) if first is None else first):
-                if k >= len(ids):
-                    break
-                if is_first:
-                    ids[k].insert(0, self.bos)
-        if self.eos:
-            eos = self.eos
-            for x, is_last in zip(ids, repeat(True) if last is None else last):
-                if is_last:
-                    x.extend(eos)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        # int32 holds any SentencePiece id; the range check below covers the narrower dtype
-        flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-        if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(self.dtype).max):
-            raise ValueError(f"token id {int(flat.max())} does not fit {self.dtype}")
-        return flat.astype(self.dtype).tobytes(), lengths
-
-
-_ENCODER: _Encoder | None = None  # in a worker process
-
-
-def _init_worker(
-    tokenizer_path: str, dtype: str, eos_id: int | None, bos_id: int | None, parent: int
-) -> None:
-    global _ENCODER
-    from mindloom_data._lifeline import die_with_parent
-
-    die_with_parent(parent)  # never outlive a killed tokenize
-    from mindloom_tokenizer import Tokenizer
-
-    _ENCODER = _Encoder(Tokenizer.load(tokenizer_path), np.dtype(dtype), eos_id, bos_id)
-
-
-def _encode_in_worker(texts: list[str], last, first=None) -> tuple[bytes, np.ndarray]:
-    return _ENCODER(texts, last, first)
-
-
-# -- main side ---------------------------------------------------------------------------
-
-
-def _tasks(
-    texts: Iterable[str], stats: TokenizeStats, chunk_chars: int, drop_space, task_bytes: int
-) -> Iterator[tuple[list[str], list[tuple[bool, bool]] | None]]:
-    """Group texts into tasks: texts plus (first chunk, last chunk) flags, or None for
-    flags when every text of the task is a whole document (the common case)."""
-    batch: list[str] = []
-    flags: list[tuple[bool, bool]] | None = None
-    size = 0
-    nbytes = 0
-    chunk = drop_space is not None
-    for text in texts:
-        n = len(text)
-        nbytes += len(text.encode("utf-8", "surrogatepass"))
-        if chunk and n > chunk_chars:
-            parts = chunk_text(text, chunk_chars, drop_space)
-            stats.chunked_documents += len(parts) > 1
-            if flags is None:
-                flags = [(True, True)] * len(batch)
-            for k, part in enumerate(parts):
-                batch.append(part)
-                flags.append((k == 0, k == len(parts) - 1))
-                size += len(part)
-                if size >= task_bytes:
-                    stats.text_bytes = nbytes
-                    yield batch, flags
-                    batch, flags, size = [], [], 0
-            if not batch:
-                flags = None
-            continue
-        batch.append(text)
-        if flags is not None:
-            flags.append((True, True))
-        size += n
-        if size >= task_bytes:
-            stats.text_bytes = nbytes
-            yield batch, flags
-            batch, flags, size = [], None, 0
-    stats.text_bytes = nbytes
-    if batch:
-        yield batch, flags
 
 
 def _fingerprint(inputs, tokenizer_path: str, settings: dict) -> str:
@@ -351,33 +151,13 @@ def tokenize(
         settings["id_key"] = id_key
     marker = output_prefix + ".done.json"
     fingerprint = _fingerprint(inputs, tokenizer_path, settings)
-    if not force and os.path.exists(marker):
-        try:
-            with open(marker, encoding="utf-8") as f:
-                done = json.load(f)
-            if done.get("fingerprint") == fingerprint and os.path.exists(
-                output_prefix + DATASET_METADATA_SUFFIX
-            ):
-                IndexedDataset(output_prefix, vocab_size=tok.vocab_size)
-                stats = TokenizeStats(dtype=str(dtype), skipped=True)
-                stats.documents = int(done.get("stats", {}).get("documents", 0))
-                stats.tokens = int(done.get("stats", {}).get("tokens", 0))
-                return stats
-        except (OSError, ValueError):
-            pass  # a stale or broken marker: redo the work
-    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.exists(output_prefix + e)]
-    if existing and not (overwrite or force):
-        raise ValueError(
-            f"{existing[0]} already exists and is not the output of this input and settings; "
-            "pass --overwrite to replace it"
-        )
-    if os.path.exists(marker):
-        os.unlink(marker)
+    if not force:
+        done = _still_complete(marker, fingerprint, output_prefix, tok.vocab_size, dtype)
+        if done is not None:
+            return done
+    _clear_outputs(output_prefix, marker, replace=overwrite or force)
 
     stats = TokenizeStats(dtype=str(dtype))
-    drop_space = chunking_mode(tok)
-    eos_id = tok.eos_id if append_eos else None
-    bos_id = tok.bos_id if append_bos else None
     t0 = time.perf_counter()
     docmeta = (
         None
@@ -385,59 +165,14 @@ def tokenize(
         else _DocMetadata(output_prefix, list(metadata_fields), id_key)
     )
     texts = _texts(inputs, text_key, stats.read, txt_mode, docmeta)
-    tasks = _tasks(texts, stats, chunk_chars, drop_space, task_bytes)
+    tasks = _tasks(texts, stats, chunk_chars, chunking_mode(tok), task_bytes)
     builder = IndexedDatasetBuilder(output_prefix, dtype=dtype)
-    pending = 0  # tokens of the document being written in chunks
-
-    def write(data: bytes, lengths: np.ndarray, flags) -> None:
-        nonlocal pending
-        builder.write_raw(data)
-        if flags is None:  # whole documents only, so none is pending either
-            kept = lengths[lengths > 0]  # nothing to train on: dropped, but counted
-            stats.empty_documents += len(lengths) - len(kept)
-            if docmeta is not None:
-                for n in lengths.tolist():
-                    docmeta.done(n > 0)
-            builder.add_document_lengths(kept)
-            stats.documents += len(kept)
-            stats.tokens += int(kept.sum())
-            return
-        for n, (first, last) in zip(lengths.tolist(), flags):
-            pending = n if first else pending + n
-            if last:
-                if docmeta is not None:
-                    docmeta.done(pending > 0)
-                if pending == 0:
-                    stats.empty_documents += 1
-                    continue
-                builder.add_document_length(pending)
-                stats.documents += 1
-                stats.tokens += pending
-
-    if tok.model_type == "char":
-        # a numpy gather that holds the GIL for most of its time: processes (fork is safe,
-        # nothing here has started a thread)
-        ctx = mp.get_context("fork")
-        initargs = (tokenizer_path, dtype.str, eos_id, bos_id, os.getpid())
-        pool = ProcessPoolExecutor(workers, ctx, initializer=_init_worker, initargs=initargs)
-        encode = _encode_in_worker
-    else:
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
-        encode = _Encoder(tok, dtype, eos_id, bos_id)
+    sink = _Sink(builder, stats, docmeta)
+    eos_id = tok.eos_id if append_eos else None
+    bos_id = tok.bos_id if append_bos else None
+    pool, encode = _encoder_pool(tok, tokenizer_path, dtype, eos_id, bos_id, workers)
     try:
-        # at most 2 * workers tasks in flight: bounded memory, and every worker has the
-        # next task queued while the main thread reads and writes
-        window: deque = deque()
-        for batch, flags in tasks:
-            last = None if flags is None else [is_last for _, is_last in flags]
-            first = None if flags is None else [is_first for is_first, _ in flags]
-            window.append((pool.submit(encode, batch, last, first), flags))
-            if len(window) >= 2 * workers:
-                fut, fl = window.popleft()
-                write(*fut.result(), fl)
-        while window:
-            fut, fl = window.popleft()
-            write(*fut.result(), fl)
+        _encode_in_order(pool, encode, tasks, sink.write, workers)
         if stats.documents == 0 and not allow_empty:
             bad = ", ".join(f"{k} {v}" for k, v in sorted(stats.read.counts.items()))
             raise ValueError(
@@ -454,8 +189,6 @@ def tokenize(
         if docmeta is not None:
             docmeta.writer.abort()
         if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
-            from mindloom_data._writers import named_oserror
-
             raise named_oserror(exc, output_prefix + ".bin") from None
         raise
     pool.shutdown(wait=True)
@@ -465,13 +198,106 @@ def tokenize(
         dataset_metadata(tok, tokenizer_path, append_bos, append_eos, stats.documents,
                          stats.tokens, metadata_fields, id_key),
     )  # fmt: skip
-    tmp = marker + ".partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": fingerprint, "stats": stats.to_dict()}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker)
+    done = {"fingerprint": fingerprint, "stats": stats.to_dict()}
+    atomic_write_bytes(marker, json.dumps(done, indent=1).encode())
     return stats
+
+
+def _still_complete(marker: str, fingerprint: str, output_prefix: str, vocab_size: int, dtype):
+    """The stats of a finished run of the same inputs and settings, whose files are still
+    valid; None when the work must be done (no, a stale or a broken marker)."""
+    if not os.path.exists(marker):
+        return None
+    try:
+        with open(marker, encoding="utf-8") as f:
+            done = json.load(f)
+        if done.get("fingerprint") == fingerprint and os.path.exists(
+            output_prefix + DATASET_METADATA_SUFFIX
+        ):
+            IndexedDataset(output_prefix, vocab_size=vocab_size)
+            stats = TokenizeStats(dtype=str(dtype), skipped=True)
+            stats.documents = int(done.get("stats", {}).get("documents", 0))
+            stats.tokens = int(done.get("stats", {}).get("tokens", 0))
+            return stats
+    except (OSError, ValueError):
+        pass  # a stale or broken marker: redo the work
+    return None
+
+
+def _clear_outputs(output_prefix: str, marker: str, replace: bool) -> None:
+    """Refuse to replace `.bin`/`.idx` that the marker does not vouch for unless `replace`;
+    drop the old marker before any work."""
+    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.exists(output_prefix + e)]
+    if existing and not replace:
+        raise ValueError(
+            f"{existing[0]} already exists and is not the output of this input and settings; "
+            "pass --overwrite to replace it"
+        )
+    if os.path.exists(marker):
+        os.unlink(marker)
+
+
+class _Sink:
+    """Writes encoded tasks in input order: token bytes to the builder, each document's
+    length once its last chunk is in; empty documents dropped but counted."""
+
+    def __init__(self, builder: IndexedDatasetBuilder, stats: TokenizeStats, docmeta):
+        self.builder, self.stats, self.docmeta = builder, stats, docmeta
+        self.pending = 0  # tokens of the document being written in chunks
+
+    def write(self, data: bytes, lengths: np.ndarray, flags) -> None:
+        builder, stats, docmeta = self.builder, self.stats, self.docmeta
+        builder.write_raw(data)
+        if flags is None:  # whole documents only, so none is pending either
+            kept = lengths[lengths > 0]  # nothing to train on: dropped, but counted
+            stats.empty_documents += len(lengths) - len(kept)
+            if docmeta is not None:
+                for n in lengths.tolist():
+                    docmeta.done(n > 0)
+            builder.add_document_lengths(kept)
+            stats.documents += len(kept)
+            stats.tokens += int(kept.sum())
+            return
+        for n, (first, last) in zip(lengths.tolist(), flags):
+            self.pending = n if first else self.pending + n
+            if last:
+                if docmeta is not None:
+                    docmeta.done(self.pending > 0)
+                if self.pending == 0:
+                    stats.empty_documents += 1
+                    continue
+                builder.add_document_length(self.pending)
+                stats.documents += 1
+                stats.tokens += self.pending
+
+
+def _encoder_pool(tok, tokenizer_path: str, dtype, eos_id, bos_id, workers: int):
+    """(pool, encode function) for the tokenizer's kind."""
+    if tok.model_type == "char":
+        # a numpy gather that holds the GIL for most of its time: processes (fork is safe,
+        # nothing here has started a thread)
+        ctx = mp.get_context("fork")
+        initargs = (tokenizer_path, dtype.str, eos_id, bos_id, os.getpid())
+        pool = ProcessPoolExecutor(workers, ctx, initializer=_init_worker, initargs=initargs)
+        return pool, _encode_in_worker
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+    return pool, _Encoder(tok, dtype, eos_id, bos_id)
+
+
+def _encode_in_order(pool, encode, tasks, write, workers: int) -> None:
+    # at most 2 * workers tasks in flight: bounded memory, and every worker has the next
+    # task queued while the main thread reads and writes
+    window: deque = deque()
+    for batch, flags in tasks:
+        last = None if flags is None else [is_last for _, is_last in flags]
+        first = None if flags is None else [is_first for is_first, _ in flags]
+        window.append((pool.submit(encode, batch, last, first), flags))
+        if len(window) >= 2 * workers:
+            fut, fl = window.popleft()
+            write(*fut.result(), fl)
+    while window:
+        fut, fl = window.popleft()
+        write(*fut.result(), fl)
 
 
 def dataset_metadata(tok, tokenizer_path: str, append_bos: bool, append_eos: bool,

@@ -1,20 +1,35 @@
 """Writers that never leave a half-written file under a final name.
 
 Everything is written to `NAME.tmp-<pid>` in the same directory, flushed, fsynced and
-renamed, so a killed run leaves only `*.tmp-*` files, which the next run removes.
+renamed (the package's one atomic-write helper, `_atomic`), so a killed run leaves only
+`*.tmp-*` files, which the next run removes.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mindloom_data._atomic import (
+    WriteOnly,
+    atomic_write_bytes,
+    atomic_write_json,
+    named_oserror,
+    save_array,
+)
+from mindloom_data._atomic import commit as _commit
+from mindloom_data._atomic import tmp_name as _tmp
+from mindloom_data._atomic import writing as _writing
+
+__all__ = [
+    "SCHEMA", "JsonlWriter", "NpyAppender", "ParquetShardWriter", "WriteOnly",
+    "atomic_write_bytes", "atomic_write_json", "load_array", "metadata_json", "named_oserror",
+    "remove_temporaries", "save_array",
+]  # fmt: skip
 
 # `metadata`: the record's other fields as one JSON object in text (records differ in
 # their fields and types, which one Arrow struct type per shard could not hold).
@@ -28,78 +43,6 @@ def metadata_json(metadata: dict | None) -> str:
     """A document's metadata as the `metadata` column holds it (key order kept)."""
     # default=str: Parquet inputs can hold timestamps, decimals, bytes
     return json.dumps(metadata or {}, ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
-
-
-def named_oserror(exc: OSError, path: str | Path) -> OSError:
-    """`exc` naming `path`: a failed write() (ENOSPC, EIO) carries no file name, and
-    pyarrow's errors carry only a message."""
-    if exc.filename:
-        return exc
-    code = exc.errno
-    if code is None and "No space left on device" in str(exc):
-        code = errno.ENOSPC
-    reason = os.strerror(code) if code else " ".join(str(exc).split())
-    return OSError(code, reason, str(path))
-
-
-class WriteOnly:
-    """A file seen only through write(): np.save then writes in chunks through Python,
-    so a full disk raises ENOSPC instead of numpy's "N requested and M written"."""
-
-    def __init__(self, f):
-        self.write = f.write
-
-
-@contextmanager
-def _writing(path: Path, tmp: Path):
-    """On an OSError: drop the temporary file (a full disk stays usable) and name `path`."""
-    try:
-        yield
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise named_oserror(exc, path) from None
-
-
-def _commit(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
-        pass
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    with _writing(path, tmp):
-        tmp.write_bytes(data)
-        _commit(tmp, path)
-
-
-def atomic_write_json(path: str | Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode())
-
-
-def save_array(path: str | Path, arr: np.ndarray) -> None:
-    """An exchange file: a plain .npy (never pickled), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    with _writing(path, tmp):
-        with open(tmp, "wb") as f:
-            np.save(WriteOnly(f), np.ascontiguousarray(arr), allow_pickle=False)
-        _commit(tmp, path)
 
 
 class NpyAppender:
