@@ -66,21 +66,55 @@ def batches(vocab: int):
     return out
 
 
-def optimizer(params, kind, dp_group, zero_stage):
-    from mindloom_parallel import ShardedOptimizer
+class SGD:
+    """Plain SGD, p -= lr * g on every rank: the layouts' check of the gradients themselves
+    (test-side; the package's one optimizer is ZeroAdamW)."""
 
+    def __init__(self, params, lr: float):
+        self.params, self.lr = list(params), lr
+
+    def step(self, grads) -> None:
+        from mindspore import ops
+
+        for p, g in zip(self.params, grads):
+            ops.assign(p, p - self.lr * g.astype(p.dtype))
+
+
+class AdamW:
+    """torch.optim.AdamW's update (bias correction, decoupled decay on every parameter)
+    through mindloom_parallel.ZeroAdamW, ZeRO-1 when ``zero_stage`` is 1."""
+
+    def __init__(self, params, names, groups, zero_stage: int):
+        from mindloom_parallel import ZeroAdamW
+
+        self.opt = ZeroAdamW(params, names, groups, zero_stage)
+        self.t = 0
+
+    def step(self, grads) -> None:
+        self.t += 1
+        self.opt.step(grads, self.t, ADAM_LR, weight_decay=ADAM_WD)
+
+    def gather_state(self) -> dict:
+        """The full moments (collective over dp), keyed ``<name>.exp_avg`` /
+        ``<name>.exp_avg_sq``."""
+        out = {}
+        for key, v in self.opt.gather_moments().items():
+            kind, name = key.split(".", 1)
+            out[f"{name}.{kind}"] = v
+        return out
+
+
+def optimizer(params, names, kind, groups, zero_stage):
     if kind == "sgd":
-        return ShardedOptimizer(params, dp_group, zero_stage, kind="sgd", lr=SGD_LR)
-    return ShardedOptimizer(
-        params, dp_group, zero_stage, kind="adamw", lr=ADAM_LR, weight_decay=ADAM_WD
-    )
+        return SGD(params, SGD_LR)
+    return AdamW(params, names, groups, zero_stage)
 
 
 def numpy_adamw(
     params: dict, grads_per_step, lr: float, wd: float, betas=(0.9, 0.95), eps: float = 1e-8
 ) -> dict:
     """torch.optim.AdamW's update written out in float64 NumPy (bias correction, decoupled
-    decay on every parameter, as ShardedOptimizer does): the independent reference.
+    decay on every parameter, as the AdamW above): the independent reference.
     -> {name: weight, "exp_avg.name": m, "exp_avg_sq.name": v} after the last step."""
     b1, b2 = betas
     w = {n: np.asarray(v, np.float64).copy() for n, v in params.items()}
@@ -102,11 +136,11 @@ def numpy_adamw(
 def reference(out: Path, kind: str, overrides: dict) -> dict:
     """The one-process run: the model's own loss cell and MindSpore autodiff, no engine.
     For AdamW, the same gradients also go through `numpy_adamw` (reference_adamw_numpy.npz):
-    ShardedOptimizer (and so ZeRO-1) is checked against an optimizer that is not itself."""
+    ZeroAdamW (and so ZeRO-1) is checked against an optimizer that is not itself."""
     import mindspore as ms
     from mindloom_model import get_preset
     from mindloom_model._llama import Llama, LlamaWithLoss
-    from mindloom_parallel import Group
+    from mindloom_parallel import ParallelConfig, init_parallel
 
     cfg = get_preset("debug", **overrides)
     model = Llama(cfg)
@@ -114,7 +148,7 @@ def reference(out: Path, kind: str, overrides: dict) -> dict:
     params = model.trainable_params()
     names = [n for n, _ in model.parameters_and_names()]
     grad_fn = ms.value_and_grad(net, None, params)
-    opt = optimizer(params, kind, Group(None, (0,), 0), 0)
+    opt = optimizer(params, names, kind, init_parallel(ParallelConfig()), 0)
     init = {n: p.asnumpy().copy() for n, p in zip(names, params)}  # asnumpy may share memory
     losses, all_grads = [], []
     for b in batches(cfg.vocab_size):
@@ -188,7 +222,7 @@ def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
 
     step = Step()
     assert len(step.reducer.buckets) > 1
-    opt = optimizer(params, "sgd", groups.dp, 0)
+    opt = optimizer(params, names, "sgd", groups, 0)
     losses = []
     for b in batches(cfg.vocab_size)[:steps]:
         denom = Tensor(np.float32(b["loss_mask"].sum()))
@@ -227,7 +261,7 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     engine = ParallelEngine(Llama(cfg, seed=99), pcfg, groups, micro_batch_size=mbs)
     engine.load_state(Llama_state(cfg))
     t0 = time.perf_counter()
-    opt = optimizer(engine.params, kind, groups.dp, pcfg.zero_stage)
+    opt = optimizer(engine.params, engine.param_names, kind, groups, pcfg.zero_stage)
     losses, norms, shares = [], [], []
     for b in batches(cfg.vocab_size)[:steps]:
         loss, grads = engine.forward_backward(dp_slice(b, groups.dp_rank, pcfg.dp))
@@ -237,7 +271,7 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
         shares.append(engine.metrics["comm_share"])
     np.savez(out / f"{name}_rank{groups.rank}.npz", **engine.local_state())
     if kind == "adamw":  # the full moments, gathered from the ZeRO-1 shards (collective)
-        state = opt.gather_state(list(engine.param_names))
+        state = opt.gather_state()
         np.savez(out / f"{name}_optim_rank{groups.rank}.npz", **state)
     return {
         "losses": losses,

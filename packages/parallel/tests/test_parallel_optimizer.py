@@ -1,6 +1,7 @@
-"""ShardedOptimizer in one process against NumPy written from torch's documented update
-(AdamW: bias correction, decoupled decay; SGD: heavy-ball momentum). The ZeRO-1 shards
-are checked against the same NumPy AdamW in test_parallel_msrun.py (layout dp2)."""
+"""ZeroAdamW in one process against NumPy written from torch's documented AdamW update
+(bias correction, decoupled decay), and its moments' round trip through full tensors.
+The ZeRO-1 shards are checked against the same NumPy AdamW in test_parallel_msrun.py
+(layout dp2)."""
 
 from __future__ import annotations
 
@@ -15,48 +16,65 @@ import parallel_worker as W  # noqa: E402
 SHAPES = {"a.weight": (6, 5), "norm.weight": (5,), "b.weight": (3, 7)}
 
 
-def _run(kind: str, steps: int = 6, **kw):
+def _one_process():
     import mindspore as ms
-    from mindloom_parallel import Group, ShardedOptimizer
-    from mindspore import Parameter, Tensor
+    from mindloom_parallel import ParallelConfig, init_parallel
 
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    return init_parallel(ParallelConfig())
+
+
+def test_adamw_matches_numpy_adamw():
+    from mindloom_parallel import ZeroAdamW
+    from mindspore import Parameter, Tensor
+
+    groups = _one_process()
     rng = np.random.default_rng(5)
     init = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
     params = [Parameter(Tensor(v.copy()), name=n) for n, v in init.items()]
-    opt = ShardedOptimizer(params, Group(None, (0,), 0), 0, kind=kind, **kw)
+    opt = ZeroAdamW(params, list(SHAPES), groups, zero_stage=0)
     # gradient sizes from 1e-3 to 10: Adam's normalisation must not hide a missing correction
     grads = [
         {n: (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
          for n, s in SHAPES.items()}
-        for _ in range(steps)
+        for _ in range(6)
     ]  # fmt: skip
-    for g in grads:
-        opt.step([Tensor(g[n]) for n in SHAPES])
-    got = {n: p.asnumpy() for n, p in zip(SHAPES, params)}
-    return init, grads, got, opt
-
-
-def test_adamw_matches_numpy_adamw():
-    init, grads, got, opt = _run("adamw", lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for t, g in enumerate(grads, 1):
+        opt.step([Tensor(g[n]) for n in SHAPES], t, 0.05, (0.9, 0.95), 1e-8, 0.1)
     ref = W.numpy_adamw(init, grads, lr=0.05, wd=0.1, betas=(0.9, 0.95), eps=1e-8)
-    state = opt.gather_state(list(SHAPES))
-    for n in SHAPES:
-        np.testing.assert_allclose(got[n], ref[n], rtol=1e-5, atol=1e-6, err_msg=n)
-        np.testing.assert_allclose(state[f"{n}.exp_avg"], ref[f"exp_avg.{n}"], rtol=1e-5,
-                                   atol=1e-7, err_msg=n)  # fmt: skip
-        np.testing.assert_allclose(state[f"{n}.exp_avg_sq"], ref[f"exp_avg_sq.{n}"],
-                                   rtol=1e-5, atol=1e-9, err_msg=n)  # fmt: skip
+    state = opt.gather_moments()
+    for n, p in zip(SHAPES, params):
+        np.testing.assert_allclose(p.asnumpy(), ref[n], rtol=1e-5, atol=1e-6, err_msg=n)
+        for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):
+            np.testing.assert_allclose(state[f"{key}.{n}"], ref[f"{key}.{n}"], rtol=1e-5,
+                                       atol=atol, err_msg=f"{key}.{n}")  # fmt: skip
 
 
-def test_sgd_momentum_matches_numpy():
-    init, grads, got, _ = _run("sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
-    for n in SHAPES:
-        w = init[n].astype(np.float64)
-        buf = np.zeros_like(w)
-        # ShardedOptimizer's documented rule: decay outside the momentum buffer (torch's
-        # SGD folds it into the gradient instead; the two agree when wd = 0)
-        for g in grads:
-            buf = 0.9 * buf + g[n]
-            w = w - 0.1 * (buf + 0.01 * w)
-        np.testing.assert_allclose(got[n], w, rtol=1e-5, atol=1e-6, err_msg=n)
+def test_moments_round_trip_through_full_tensors():
+    """gather_moments -> load_moments into a twin: the next update is bit-identical."""
+    import mindspore as ms
+    from mindloom_model import Llama, get_preset
+    from mindloom_parallel import ParallelConfig, ZeroAdamW
+
+    groups = _one_process()
+    cfg = get_preset("debug")
+    pcfg = ParallelConfig()
+    models = [Llama(cfg, seed=0), Llama(cfg, seed=0)]
+    names = [n for n, _ in models[0].parameters_and_names()]
+    params = [list(m.trainable_params()) for m in models]
+    rng = np.random.default_rng(0)
+    grads = [ms.Tensor(rng.standard_normal(p.shape).astype(np.float32)) for p in params[0]]
+    opt = ZeroAdamW(params[0], names, groups, zero_stage=1)
+    opt.step(grads, 1, 0.1, weight_decay=0.1)
+    state = opt.gather_moments()
+    assert state[f"exp_avg.{names[0]}"].shape == tuple(params[0][0].shape)
+    np.testing.assert_allclose(state[f"exp_avg.{names[-1]}"], 0.1 * grads[-1].asnumpy(),
+                               rtol=1e-6)  # fmt: skip
+    for p, q in zip(params[0], params[1]):
+        ms.ops.assign(q, ms.Tensor(p.asnumpy()))
+    twin = ZeroAdamW(params[1], names, groups, zero_stage=1)
+    twin.load_moments(state, cfg, pcfg)
+    opt.step(grads, 2, 0.1, weight_decay=0.1)
+    twin.step(grads, 2, 0.1, weight_decay=0.1)
+    for p, q in zip(params[0], params[1]):
+        np.testing.assert_array_equal(p.asnumpy(), q.asnumpy())

@@ -245,10 +245,16 @@ def test_chunked_checkpoint_of_a_4_rank_layout_loads_global_tensors(tmp_path, ti
     """The files and metadata a dp2 x tp2 x pp2 run writes (no msrun needed: each rank's
     shards cut with mindloom_parallel.rank_state) load back as the full tensors."""
     from mindloom_model import get_preset
-    from mindloom_parallel import ParallelConfig, rank_state, shard_tensor, tensor_layout
-    from mindloom_parallel._groups import rank_coords
+    from mindloom_parallel import (
+        ParallelConfig,
+        rank_coords,
+        rank_state,
+        shard_tensor,
+        tensor_layout,
+        zero_owners,
+    )
     from mindloom_train import _checkpoint as ck
-    from mindloom_train._parallel import chunk_metadata, zero_owners
+    from mindloom_train._parallel import chunk_metadata
 
     mcfg = get_preset("debug", num_layers=4, tie_embeddings=tied)
     pcfg = ParallelConfig(dp=2, tp=2, pp=2, micro_batch_num=2)

@@ -1,11 +1,20 @@
-"""mindloom_parallel: data, tensor, sequence and pipeline parallelism under msrun.
+"""mindloom_parallel: data, tensor, sequence and pipeline parallelism and ZeRO-1 under msrun.
 
 See the package README for the API and the layouts.
 """
 
 from mindloom_parallel.__about__ import __version__
-from mindloom_parallel._config import ParallelConfig, ParallelConfigError, validate
-from mindloom_parallel._groups import Group, ParallelGroups, dp_slice, init_parallel, rank_coords
+from mindloom_parallel._config import ParallelConfig, ParallelConfigError, ParallelDims, validate
+from mindloom_parallel._groups import (
+    PROCESS_COMMUNICATORS,
+    Communicators,
+    Group,
+    ParallelGroups,
+    coords_rank,
+    dp_slice,
+    init_parallel,
+    rank_coords,
+)
 from mindloom_parallel._launch import (
     EXIT_ORPHANED,
     LaunchError,
@@ -21,55 +30,67 @@ from mindloom_parallel._layout import (
     assemble_tensor,
     layout_metadata,
     rank_state,
+    rank_tensor_names,
     shard_tensor,
     tensor_layout,
 )
 from mindloom_parallel._pp import one_f_one_b, stage_layers
+from mindloom_parallel._zero import adamw_scalars, chunk_metadata, zero_owners
 
 __all__ = [
     "__version__",
     "EXIT_ORPHANED",
+    "PROCESS_COMMUNICATORS",
     "CommStats",
+    "Communicators",
     "Group",
     "GradReducer",
     "LaunchError",
     "LaunchStopped",
     "ParallelConfig",
     "ParallelConfigError",
+    "ParallelDims",
     "ParallelEngine",
     "ParallelGroups",
     "RunLock",
-    "ShardedOptimizer",
     "TensorSpec",
+    "ZeroAdamW",
+    "adamw_scalars",
     "assemble_state",
     "assemble_tensor",
-    "comm_stats",
+    "chunk_metadata",
+    "coords_rank",
     "dp_slice",
-    "init_parallel",
+    "gather_rows",
     "guard_worker",
+    "init_parallel",
     "launch",
-    "set_parent_death_signal",
     "layout_metadata",
     "native_collectives",
     "one_f_one_b",
     "parallelize_llama",
     "rank_coords",
     "rank_state",
+    "rank_tensor_names",
+    "record_into",
+    "set_parent_death_signal",
     "shard_tensor",
     "stage_layers",
     "tensor_layout",
     "validate",
+    "zero_owners",
 ]
 
 
 _LAZY = {
     "CommStats": "_comm",
-    "comm_stats": "_comm",
     "native_collectives": "_comm",
+    "record_into": "_comm",
     "GradReducer": "_dp",
-    "ShardedOptimizer": "_dp",
     "ParallelEngine": "_engine",
     "parallelize_llama": "_tp",
+    "ZeroAdamW": "_zero",
+    "gather_rows": "_zero",
 }
 
 

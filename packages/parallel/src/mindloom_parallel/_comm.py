@@ -11,20 +11,24 @@ works on subgroups, so the same semantics are built from it:
 - point-to-point inside a two-rank group: the sender contributes the tensor, the
   receiver zeros; an exchange puts each side's tensor in its own slot.
 
-Everything above this module is backend-independent. Each call is timed into
-``comm_stats`` (PyNative), so the trainer can log communication time and its share.
+Everything above this module is backend-independent. Each timed call (PyNative) is added
+to the ``CommStats`` of whoever is communicating: ``ParallelEngine`` owns one and makes it
+the recorder (``record_into``) for the collectives of its step, including those its
+tensor-parallel region cells run in backward; outside any ``record_into`` they go to a
+default recorder that nobody reads.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import mindspore as ms
 from mindspore import nn, ops
 
 from mindloom_parallel._groups import Group
 
-__all__ = ["CommStats", "comm_stats", "native_collectives"]
+__all__ = ["CommStats", "native_collectives", "record_into"]
 
 
 class CommStats:
@@ -42,7 +46,30 @@ class CommStats:
         return {"comm_time_s": self.time_s, "comm_calls": self.calls, "comm_bytes": self.bytes}
 
 
-comm_stats = CommStats()
+# the recorder of the innermost record_into; the bottom entry catches calls made outside one
+_recorders: list[CommStats] = [CommStats()]
+
+
+@contextmanager
+def record_into(stats: CommStats | None):
+    """Time the collectives run inside the block into ``stats`` (None: leave as is)."""
+    if stats is None:
+        yield
+        return
+    _recorders.append(stats)
+    try:
+        yield
+    finally:
+        _recorders.pop()
+
+
+def _record(seconds: float, calls: int = 1, nbytes: int = 0) -> None:
+    stats = _recorders[-1]
+    stats.time_s += seconds
+    stats.calls += calls
+    stats.bytes += nbytes
+
+
 _sync = getattr(getattr(ms, "runtime", None), "synchronize", None)
 
 
@@ -54,9 +81,7 @@ def _timed(fn, x, nbytes: int):
     y = fn(x)
     if _sync is not None:
         _sync()
-    comm_stats.time_s += time.perf_counter() - t0
-    comm_stats.calls += 1
-    comm_stats.bytes += nbytes
+    _record(time.perf_counter() - t0, 1, nbytes)
     return y
 
 
@@ -210,15 +235,14 @@ def _native_exchange(send, recv_shape, recv_dtype, pair: Group):  # pragma: no c
             out = do_recv()
         if send is not None:
             do_send()
-    comm_stats.time_s += time.perf_counter() - t0
-    comm_stats.calls += 1
+    _record(time.perf_counter() - t0, 1)
     return out
 
 
 # ----------------------------------------------------------------------- autodiff-aware
 # Tensor-parallel regions (Megatron's f / g and their sequence-parallel versions). Each is a
 # Cell with a custom bprop so the backward communication is the transpose of the forward.
-# PyNative runs a bprop as Python, so its collective is timed into comm_stats like the
+# PyNative runs a bprop as Python, so its collective is timed into the current recorder like the
 # forward's (the per-step communication share then includes the backward).
 
 

@@ -1,8 +1,14 @@
-"""The parallel layout: one dataclass and ONE validation that names the numbers that disagree."""
+"""The parallel layout: `ParallelDims`, the only conversion from a run config's `parallelism`
+section, and ONE validation that names the numbers that disagree.
+
+Every place that refuses a layout (train's config check, `mindloom launch` before any worker
+starts, each worker after init) calls `ParallelDims.check`, so the same bad input gives the
+same one-line message wherever it is caught.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 
 class ParallelConfigError(ValueError):
@@ -10,7 +16,7 @@ class ParallelConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelDims:
     """How a run is split: ``world_size == dp * tp * pp``.
 
     ``micro_batch_num`` is the number of micro-batches each data-parallel rank runs per step
@@ -30,8 +36,14 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def needs_engine(self) -> bool:
+        """Tensor, pipeline or ZeRO-1: the step runs through ``ParallelEngine`` (PyNative);
+        one process and plain data parallel keep a compiled step."""
+        return self.tp > 1 or self.pp > 1 or self.zero_stage > 0
+
     @classmethod
-    def from_dict(cls, d: dict | None) -> ParallelConfig:
+    def from_dict(cls, d: dict | None) -> ParallelDims:
         """Build from a config section; an unknown key is a one-line error naming it."""
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
@@ -49,18 +61,51 @@ class ParallelConfig:
             )
         return cls(**d)
 
+    @classmethod
+    def from_section(cls, section) -> ParallelDims:
+        """The layout fields of a run config's ``parallelism`` section: a mapping or an object
+        with those attributes (mindloom-train's parsed section). Keys that are not about the
+        layout (train's timeouts) are left to their owner."""
+        names = [f.name for f in fields(cls)]
+        if isinstance(section, dict):
+            return cls.from_dict({k: section[k] for k in names if k in section})
+        return cls(**{k: getattr(section, k) for k in names if hasattr(section, k)})
+
+    def for_steps(self, grad_accum_steps: int) -> ParallelDims:
+        """The layout a worker runs: ``micro_batch_num`` left at 1 means the trainer's
+        gradient accumulation, so it becomes that count (a pipeline keeps its own)."""
+        if self.micro_batch_num > 1 or self.pp > 1:
+            return self
+        return replace(self, micro_batch_num=int(grad_accum_steps))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check(
+        self,
+        model_cfg=None,
+        world_size: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        seq_length: int | None = None,
+    ) -> ParallelDims:
+        """``validate(self, ...)``: raise ParallelConfigError naming what disagrees."""
+        return validate(self, model_cfg, world_size, global_batch_size, micro_batch_size,
+                        seq_length)  # fmt: skip
+
+
+# The earlier name of the same class (README examples, external callers).
+ParallelConfig = ParallelDims
+
 
 def validate(
-    pcfg: ParallelConfig,
+    pcfg: ParallelDims,
     model_cfg=None,
     world_size: int | None = None,
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     seq_length: int | None = None,
-) -> ParallelConfig:
+) -> ParallelDims:
     """Check a layout against the model, the world and the batch; raise ParallelConfigError.
 
     The one place every layout rule lives, so the launcher (before any worker starts) and
@@ -76,6 +121,10 @@ def validate(
     if p.zero_stage not in (0, 1):
         raise ParallelConfigError(
             f"parallelism.zero_stage = {p.zero_stage!r}: only 0 (off) and 1 (optimizer state) exist"
+        )
+    if isinstance(p.bucket_size_mb, bool) or not p.bucket_size_mb > 0:
+        raise ParallelConfigError(
+            f"parallelism.bucket_size_mb = {p.bucket_size_mb!r}: must be a number > 0"
         )
     if p.sequence_parallel and p.tp == 1:
         raise ParallelConfigError(
@@ -110,8 +159,8 @@ def validate(
         mbs = micro_batch_size or 1
         if global_batch_size % (p.dp * mbs):
             raise ParallelConfigError(
-                f"global batch {global_batch_size} is not divisible by dp*micro_batch_size = "
-                f"{p.dp}*{mbs} = {p.dp * mbs}"
+                f"training.global_batch_size = {global_batch_size} is not divisible by "
+                f"parallelism.dp * training.micro_batch_size = {p.dp} * {mbs} = {p.dp * mbs}"
             )
         # micro_batch_num = 1 leaves gradient accumulation to the trainer
         # (global / (dp * micro batch) steps); a pipeline needs the count to match exactly
@@ -119,13 +168,14 @@ def validate(
             p.micro_batch_num > 1 or p.pp > 1
         ) and global_batch_size != p.dp * mbs * p.micro_batch_num:
             raise ParallelConfigError(
-                f"global batch {global_batch_size} != dp*micro_batch_size*micro_batch_num = "
-                f"{p.dp}*{mbs}*{p.micro_batch_num} = {p.dp * mbs * p.micro_batch_num}"
+                f"training.global_batch_size = {global_batch_size} != parallelism.dp * "
+                f"training.micro_batch_size * parallelism.micro_batch_num = "
+                f"{p.dp} * {mbs} * {p.micro_batch_num} = {p.dp * mbs * p.micro_batch_num}"
             )
     if seq_length is not None and p.sequence_parallel and seq_length % p.tp:
         raise ParallelConfigError(
-            f"seq_length {seq_length} is not divisible by parallelism.tp = {p.tp} "
-            "(sequence parallel splits the sequence)"
+            f"train_dataset.seq_length = {seq_length} is not divisible by parallelism.tp = "
+            f"{p.tp} (sequence parallel splits the sequence)"
         )
     return p
 

@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindloom_parallel._comm import all_reduce, comm_stats, exchange
+from mindloom_parallel._comm import CommStats, all_reduce, exchange, record_into
 from mindloom_parallel._config import ParallelConfigError
 from mindloom_parallel._dp import GradReducer
 from mindloom_parallel._groups import ParallelGroups
@@ -102,6 +102,9 @@ class ParallelEngine:
         ]
         self.reducer = GradReducer(self.params, groups.dp, pcfg.bucket_size_mb)
         self.metrics: dict = {}
+        # this engine's communication time since the start of its last step (the ZeRO-1
+        # update records into it too, see ZeroAdamW)
+        self.comm_stats = CommStats()
 
     # ------------------------------------------------------------------ batches
 
@@ -153,7 +156,19 @@ class ParallelEngine:
         the same number on every rank; the gradients are summed over data-parallel ranks.
         """
         t0 = time.perf_counter()
-        comm_stats.reset()
+        self.comm_stats.reset()
+        with record_into(self.comm_stats):
+            loss_value, grads = self._step(batch)
+        step_s = time.perf_counter() - t0
+        stats = self.comm_stats
+        self.metrics = {
+            **stats.snapshot(),
+            "step_compute_s": step_s,
+            "comm_share": stats.time_s / step_s if step_s > 0 else 0.0,
+        }
+        return loss_value, tuple(grads)
+
+    def _step(self, batch: dict):
         self._check_batch(batch)
         g = self.groups
         mask = batch.get("loss_mask")
@@ -178,18 +193,12 @@ class ParallelEngine:
         if g.dp.size > 1:
             # the bucketed reducer is a Cell (usable compiled) and so not timed per call
             _sync()
-            comm_stats.time_s += time.perf_counter() - t_red
-            comm_stats.calls += len(self.reducer.buckets)
+            self.comm_stats.time_s += time.perf_counter() - t_red
+            self.comm_stats.calls += len(self.reducer.buckets)
         loss = all_reduce(loss.reshape((1,)), g.dp)
         loss = all_reduce(loss, g.pp)  # only the last stage holds a non-zero loss
         loss_value = float(loss.asnumpy()[0])
-        step_s = time.perf_counter() - t0
-        self.metrics = {
-            **comm_stats.snapshot(),
-            "step_compute_s": step_s,
-            "comm_share": comm_stats.time_s / step_s if step_s > 0 else 0.0,
-        }
-        return loss_value, tuple(grads)
+        return loss_value, grads
 
     def _fwd(self, x, mb, denom):
         def fn(inp):

@@ -141,35 +141,57 @@ def _world_group_name() -> str:
     return GlobalComm.WORLD_COMM_GROUP
 
 
-_state = {"initialized": False, "created": set()}
+class Communicators:
+    """This process's MindSpore communicator (``init`` once) and the groups created on it.
+
+    MindSpore's ``init`` and ``create_group`` are process-wide and may run only once per
+    name, so one object per process carries what has been done; ``init_parallel`` takes
+    it as an argument (default: ``PROCESS_COMMUNICATORS``), and a caller running several
+    layouts in one process passes the same object each time.
+    """
+
+    def __init__(self):
+        self.initialized = False
+        self.created: set[str] = set()
+
+    def init(self) -> tuple[int, int]:
+        """-> (rank, world size), initializing communication on the first call."""
+        from mindspore.communication import get_group_size, get_rank, init
+
+        if not self.initialized:
+            init()
+            self.initialized = True
+        return get_rank(), get_group_size()
+
+    def create(self, name: str, ranks) -> None:
+        from mindspore.communication import create_group
+
+        if name not in self.created:
+            create_group(name, list(ranks))
+            self.created.add(name)
 
 
-def init_parallel(pcfg: ParallelConfig, model_cfg=None) -> ParallelGroups:
+PROCESS_COMMUNICATORS = Communicators()
+
+
+def init_parallel(
+    pcfg: ParallelConfig, model_cfg=None, comms: Communicators | None = None
+) -> ParallelGroups:
     """Initialize communication (under msrun), check the layout, create the process groups.
 
     One process without msrun (no ``MS_WORKER_NUM`` / ``RANK_SIZE`` in the environment)
     needs no communicator at all; that is the reference run. Calling it again with
-    another layout reuses the communicators already made (tests run several layouts in
-    one launch).
+    another layout and the same ``comms`` reuses the communicators already made (tests
+    run several layouts in one launch).
     """
     launched = any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE"))
     if not launched:
         validate(pcfg, model_cfg, world_size=1)
         return make_groups(0, pcfg, None)
-    from mindspore.communication import create_group, get_group_size, get_rank, init
-
-    if not _state["initialized"]:
-        init()
-        _state["initialized"] = True
-    rank, world = get_rank(), get_group_size()
+    comms = PROCESS_COMMUNICATORS if comms is None else comms
+    rank, world = comms.init()
     try:
         validate(pcfg, model_cfg, world_size=world)
     except ParallelConfigError as e:
         raise ParallelConfigError(f"rank {rank}: {e}") from None
-
-    def create(name, ranks):
-        if name not in _state["created"]:
-            create_group(name, ranks)
-            _state["created"].add(name)
-
-    return make_groups(rank, pcfg, create)
+    return make_groups(rank, pcfg, comms.create)

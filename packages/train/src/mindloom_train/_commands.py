@@ -334,22 +334,18 @@ def _launch_locked(args, cfg, lock) -> int:
     from mindloom_parallel import (
         LaunchError,
         LaunchStopped,
-        ParallelConfig,
         ParallelConfigError,
+        ParallelDims,
         launch,
     )
 
     from mindloom_train._config import ConfigError
 
-    p = cfg.parallelism
-    pcfg = ParallelConfig(dp=p.dp, tp=p.tp, pp=p.pp, sequence_parallel=p.sequence_parallel,
-                          micro_batch_num=p.micro_batch_num, zero_stage=p.zero_stage)  # fmt: skip
+    pcfg = ParallelDims.from_section(cfg.parallelism)
     world = args.nproc * args.nnodes
     try:
-        from mindloom_parallel import validate
-
-        validate(pcfg, _model_before_tokenizer(cfg), world, cfg.training.global_batch_size,
-                 cfg.training.micro_batch_size, cfg.train_dataset.seq_length)  # fmt: skip
+        pcfg.check(_model_before_tokenizer(cfg), world, cfg.training.global_batch_size,
+                   cfg.training.micro_batch_size, cfg.train_dataset.seq_length)  # fmt: skip
     except ParallelConfigError as exc:  # a config error (exit 2), before any heavy work
         raise ConfigError(f"config parallelism: {exc}") from None
     # tokenizer and datasets are prepared once here, never raced by the workers
@@ -364,9 +360,9 @@ def _launch_locked(args, cfg, lock) -> int:
             from mindloom_train._modelcfg import build_model_config
 
             try:
-                validate(pcfg, build_model_config(cfg, tok.vocab_size), world,
-                         cfg.training.global_batch_size, cfg.training.micro_batch_size,
-                         cfg.train_dataset.seq_length)  # fmt: skip
+                pcfg.check(build_model_config(cfg, tok.vocab_size), world,
+                           cfg.training.global_batch_size, cfg.training.micro_batch_size,
+                           cfg.train_dataset.seq_length)  # fmt: skip
             except ParallelConfigError as exc:
                 raise ConfigError(f"config parallelism: {exc}") from None
         if not cfg.model.get("init_from_hf"):  # the table; too big: exit 2, no worker starts

@@ -415,6 +415,20 @@ def _validate_model(model: dict[str, Any]) -> None:
     _modelcfg.validate_section(model)
 
 
+def _check_layout(cfg: Config) -> None:
+    """The degrees against each other and the batch: mindloom_parallel's one rule set
+    (the same message as `mindloom launch` and every worker give)."""
+    from mindloom_parallel import ParallelConfigError, ParallelDims
+
+    t = cfg.training
+    try:
+        ParallelDims.from_section(cfg.parallelism).check(
+            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size
+        )
+    except ParallelConfigError as exc:
+        raise ConfigError(f"config parallelism: {exc}") from None
+
+
 def validate(cfg: Config, *, check_model: bool = True) -> Config:
     """Impossible values, each refused with one line naming the key and the value."""
     t, o, s, p, c = cfg.training, cfg.optimizer, cfg.lr_scheduler, cfg.parallelism, cfg.checkpoint
@@ -425,10 +439,6 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
         ("training.eval_iters", t.eval_iters),
         ("training.max_consecutive_skips", t.max_consecutive_skips),
         ("monitor.log_interval", cfg.monitor.log_interval),
-        ("parallelism.dp", p.dp),
-        ("parallelism.tp", p.tp),
-        ("parallelism.pp", p.pp),
-        ("parallelism.micro_batch_num", p.micro_batch_num),
         ("train_dataset.seq_length", cfg.train_dataset.seq_length),
         ("precision.loss_scale_window", cfg.precision.loss_scale_window),
     ]:
@@ -451,20 +461,13 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
     ]:
         if opt is not None:
             _check(opt > 0, key, opt, "must be > 0 (or null)")
-    _check(p.bucket_size_mb > 0, "parallelism.bucket_size_mb", p.bucket_size_mb, "must be > 0")
-    _check(p.zero_stage in (0, 1), "parallelism.zero_stage", p.zero_stage, "must be 0 or 1")
     for key, val in [
         ("parallelism.comm_timeout_s", p.comm_timeout_s),
         ("parallelism.first_step_timeout_s", p.first_step_timeout_s),
     ]:
         _check(val > 0, key, val, "must be > 0")
     _check(c.keep_last >= 2, "checkpoint.keep_last", c.keep_last, "must be >= 2")
-    _check(
-        t.global_batch_size % (t.micro_batch_size * p.dp) == 0,
-        "training.global_batch_size",
-        t.global_batch_size,
-        f"must be a multiple of micro_batch_size * dp = {t.micro_batch_size * p.dp}",
-    )
+    _check_layout(cfg)
     _check(t.grad_clip >= 0 and math.isfinite(t.grad_clip), "training.grad_clip", t.grad_clip,
            "must be a finite number >= 0")  # fmt: skip
     if t.grad_spike_threshold is not None:

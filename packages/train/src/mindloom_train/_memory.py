@@ -2,7 +2,7 @@
 
 Bytes for the most-loaded rank of the layout: parameters, gradients (and the fp32
 accumulation buffers of a multi-micro-batch step), AdamW moments (ZeRO-1 partitions whole
-parameters over the data-parallel ranks, see `_parallel.zero_owners`), activations per
+parameters over the data-parallel ranks, see `mindloom_parallel.zero_owners`), activations per
 layer and per pipeline stage under recompute none / selected / full, communication
 buffers, the runtime's own memory (CPU: the RSS of an imported MindSpore with its context,
 measured; see the README), and a fragmentation reserve.
@@ -440,7 +440,7 @@ def _zero_max_share(sizes: list[int], dp: int, even: bool) -> int:
         return sum(sizes)
     if even:
         return math.ceil(sum(sizes) / dp)
-    from mindloom_train._parallel import zero_owners
+    from mindloom_parallel import zero_owners
 
     load = [0] * dp
     for size, owner in zip(sizes, zero_owners(sizes, dp)):

@@ -110,16 +110,11 @@ class Trainer:
         self.use_engine = False
         if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
             return
-        from mindloom_parallel import ParallelConfig, ParallelConfigError, init_parallel
+        from mindloom_parallel import ParallelConfigError, ParallelDims, init_parallel
 
-        from mindloom_train._parallel import effective_pcfg, needs_engine
-
-        p = self.cfg.parallelism
-        self.use_engine = needs_engine(self.cfg)
-        if self.use_engine:
-            pcfg = effective_pcfg(self.cfg)
-        else:
-            pcfg = ParallelConfig(dp=p.dp, tp=1, pp=1, micro_batch_num=p.micro_batch_num)
+        dims = ParallelDims.from_section(self.cfg.parallelism)
+        self.use_engine = dims.needs_engine
+        pcfg = dims.for_steps(self.cfg.grad_accum_steps) if self.use_engine else dims
         try:
             groups = init_parallel(pcfg)
         except ParallelConfigError as exc:
@@ -215,12 +210,12 @@ class Trainer:
                 "(tp, pp and zero_stage are not wired for MoE yet)"
             )
         if self.groups is not None:
-            from mindloom_parallel import ParallelConfigError, validate
+            from mindloom_parallel import ParallelConfigError
 
             t = self.cfg.training
             try:
-                validate(self.pcfg, mcfg, self.world, t.global_batch_size, t.micro_batch_size,
-                         self.cfg.train_dataset.seq_length)  # fmt: skip
+                self.pcfg.check(mcfg, self.world, t.global_batch_size, t.micro_batch_size,
+                                self.cfg.train_dataset.seq_length)  # fmt: skip
             except ParallelConfigError as exc:
                 raise ConfigError(f"config parallelism: {exc}") from None
 
@@ -453,12 +448,10 @@ class Trainer:
     def _layout(self) -> dict | None:
         """mindloom_parallel's description: global shape and split of every tensor."""
         try:
-            from mindloom_parallel import layout_metadata
+            from mindloom_parallel import ParallelDims, layout_metadata
 
-            p = self.cfg.parallelism
-            return layout_metadata(
-                dataclasses.asdict(self.mcfg), {"dp": p.dp, "tp": p.tp, "pp": p.pp}
-            )
+            dims = ParallelDims.from_section(self.cfg.parallelism)
+            return layout_metadata(dataclasses.asdict(self.mcfg), dims)
         except Exception as exc:  # descriptive only; a checkpoint never fails for it
             return {"error": f"layout unavailable: {exc}"}
 
@@ -1158,15 +1151,13 @@ class Trainer:
         }
 
     def _probe_comm(self, window) -> dict:
-        from mindloom_parallel._comm import all_gather
-        from mindspore import Tensor
+        from mindloom_parallel import gather_rows
 
         t0 = time.perf_counter()
         self.comm_probe(self._probe_grads)[0].asnumpy()
         comm = time.perf_counter() - t0
         step_s = window["step_time"] / max(window["steps"], 1)
-        mine = Tensor(np.array([[comm, step_s]], np.float32))
-        ranks = all_gather(mine, self.groups.world, 0, timed=False).asnumpy()
+        ranks = gather_rows([comm, step_s], self.groups.world)
         share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
         return {
             "comm_s": comm,
