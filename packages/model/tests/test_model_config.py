@@ -126,3 +126,25 @@ def test_parameter_names_follow_the_contract():
         "layers.0.mlp.w3.weight",
     ]
     assert names[-2:] == ["norm.weight", "lm_head.weight"]
+
+
+def test_config_presets_and_codec_import_no_mindspore():
+    # a fresh interpreter: this test process has MindSpore loaded already
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import mindloom_model as m\n"
+        "cfgs = [m.get_preset(n) for n in m.preset_names()]\n"
+        "cfgs.append(m.ModelConfig.from_dict({'num_layers': 3}))\n"
+        "assert all(c.num_params() > 0 and c.flops_per_token() > 0 for c in cfgs)\n"
+        "m.SafetensorsError, m.read_safetensors, m.write_safetensors\n"
+        "print('mindspore' in sys.modules, len(cfgs))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", str(len(preset_names()) + 1)], out.stderr
+    # and the MindSpore names still resolve on first use
+    code = "import sys, mindloom_model as m; m.Llama; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"], out.stderr
