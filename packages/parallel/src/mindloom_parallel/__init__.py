@@ -24,7 +24,7 @@ from mindloom_parallel._layout import (
     shard_tensor,
     tensor_layout,
 )
-from mindloom_parallel._pp import one_f_one_b, stage_layers
+from mindloom_parallel._pp import one_f_one_b, pipeline_stage, stage_layers
 
 __all__ = [
     "__version__",
@@ -53,12 +53,14 @@ __all__ = [
     "native_collectives",
     "one_f_one_b",
     "parallelize_llama",
+    "pipeline_stage",
     "rank_coords",
     "rank_state",
     "shard_tensor",
     "stage_layers",
     "tensor_layout",
     "validate",
+    "vocab_start",
 ]
 
 
@@ -70,6 +72,7 @@ _LAZY = {
     "ShardedOptimizer": "_dp",
     "ParallelEngine": "_engine",
     "parallelize_llama": "_tp",
+    "vocab_start": "_tp",
 }
 
 
