@@ -148,3 +148,23 @@ def test_config_presets_and_codec_import_no_mindspore():
     code = "import sys, mindloom_model as m; m.Llama; print('mindspore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True"], out.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp_plan_names_the_models_modules(tied):
+    # the plan is data the parallel package applies by module path: every pattern must
+    # name a module of the model (the head only when it is not tied), every projection
+    # must be named, and every style must be one the applier knows
+    from fnmatch import fnmatchcase
+
+    from mindloom_model import TP_STYLES, llama_tp_plan
+
+    model = Llama(get_preset("debug", tie_embeddings=tied))
+    paths = [p for p, _ in model.cells_and_names() if p]
+    plan = llama_tp_plan()
+    unmatched = {pat for pat in plan if not any(fnmatchcase(p, pat) for p in paths)}
+    assert unmatched == ({"lm_head"} if tied else set())
+    assert set(plan.values()) <= set(TP_STYLES)
+    weights = [n.rsplit(".", 1)[0] for n, p in model.parameters_and_names() if p.ndim == 2]
+    uncovered = [w for w in weights if not any(fnmatchcase(w, pat) for pat in plan)]
+    assert uncovered == []

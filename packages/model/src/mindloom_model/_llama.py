@@ -402,19 +402,19 @@ class Block(nn.Cell):
         # x [B, S, D] -> [B, S, D]; with kv_cache (see Attention) -> (x, k_cache, v_cache)
         if kv_cache is None:
             h = self.attn(self.attn_norm(x), cos, sin, bias, dropout_key)
-        else:
-            h, k_cache, v_cache = self.attn(
-                self.attn_norm(x), cos, sin, bias, dropout_key, kv_cache
-            )
+            return self.finish(x, h, dropout_key)
+        h, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, bias, dropout_key, kv_cache)
+        return self.finish(x, h, dropout_key), k_cache, v_cache
+
+    def finish(self, x, h, dropout_key=None):
+        # the attention output h joins the residual stream, then the MLP branch
         if self.resid_dropout is not None:
             h = self.resid_dropout(h, dropout_key)
         x = x + h
         h = self.mlp(self.mlp_norm(x))
         if self.mlp_dropout is not None:
             h = self.mlp_dropout(h, dropout_key)
-        if kv_cache is None:
-            return x + h
-        return x + h, k_cache, v_cache
+        return x + h
 
 
 class Llama(nn.Cell):
