@@ -126,3 +126,45 @@ def test_parameter_names_follow_the_contract():
         "layers.0.mlp.w3.weight",
     ]
     assert names[-2:] == ["norm.weight", "lm_head.weight"]
+
+
+def test_config_presets_and_codec_import_no_mindspore():
+    # a fresh interpreter: this test process has MindSpore loaded already
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import mindloom_model as m\n"
+        "cfgs = [m.get_preset(n) for n in m.preset_names()]\n"
+        "cfgs.append(m.ModelConfig.from_dict({'num_layers': 3}))\n"
+        "assert all(c.num_params() > 0 and c.flops_per_token() > 0 for c in cfgs)\n"
+        "m.SafetensorsError, m.read_safetensors, m.write_safetensors\n"
+        "print('mindspore' in sys.modules, len(cfgs))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", str(len(preset_names()) + 1)], out.stderr
+    # and the MindSpore names still resolve on first use
+    code = "import sys, mindloom_model as m; m.Llama; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"], out.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp_plan_names_the_models_modules(tied):
+    # the plan is data the parallel package applies by module path: every pattern must
+    # name a module of the model (the head only when it is not tied), every projection
+    # must be named, and every style must be one the applier knows
+    from fnmatch import fnmatchcase
+
+    from mindloom_model import TP_STYLES, llama_tp_plan
+
+    model = Llama(get_preset("debug", tie_embeddings=tied))
+    paths = [p for p, _ in model.cells_and_names() if p]
+    plan = llama_tp_plan()
+    unmatched = {pat for pat in plan if not any(fnmatchcase(p, pat) for p in paths)}
+    assert unmatched == ({"lm_head"} if tied else set())
+    assert set(plan.values()) <= set(TP_STYLES)
+    weights = [n.rsplit(".", 1)[0] for n, p in model.parameters_and_names() if p.ndim == 2]
+    uncovered = [w for w in weights if not any(fnmatchcase(w, pat) for pat in plan)]
+    assert uncovered == []

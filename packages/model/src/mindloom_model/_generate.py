@@ -16,15 +16,16 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindloom_model._deepseek import DeepseekV3, MLACachedDecoder, mla_empty_cache
-from mindloom_model._llama import Llama, attention, rope_cos_sin
+from mindloom_model._llama import Llama, rope_cos_sin
 
 
 class _CachedDecoder(nn.Cell):
     """tokens [B, T] at positions start..start+T-1 against a fixed-size KV cache.
 
     The cache is [L, B, KV, C, Dh] with C = max_seq_len, so every decode step has the same
-    shapes and compiles once; slot j holds the key/value of position j. Returns logits
-    [B, T, V] fp32 and the updated caches.
+    shapes and compiles once; slot j holds the key/value of position j. Each layer is the
+    model's own `Block` forward, given the cache. Returns logits [B, T, V] fp32 and the
+    updated caches.
     """
 
     def __init__(self, model: Llama):
@@ -54,15 +55,9 @@ class _CachedDecoder(nn.Cell):
         new_k, new_v = [], []
         i = 0
         for layer in m.layers:
-            attn = layer.attn
-            q, k, v = attn.qkv(layer.attn_norm(x), cos, sin)  # k, v [B, KV, T, Dh]
-            # cache[..., slot, :] = k at written slots (one-hot matmul: exact), else kept
-            kc = k_cache[i] * keep + ops.matmul(scatter, k)  # [B, KV, C, Dh]
-            vc = v_cache[i] * keep + ops.matmul(scatter, v)
+            x, kc, vc = layer(x, cos, sin, bias, None, (k_cache[i], v_cache[i], keep, scatter))
             new_k.append(kc)
             new_v.append(vc)
-            x = x + attn.out(attention(q, kc, vc, bias, attn.n_heads // attn.n_kv_heads))
-            x = x + layer.mlp(layer.mlp_norm(x))
             i += 1
         return m.head(m.norm(x)), ops.stack(new_k), ops.stack(new_v)
 

@@ -3,32 +3,27 @@
 Our model uses Hugging Face's rotary layout (`rotate_half`, i paired with i + Dh/2), so
 q/k weights map one to one: no permutation either way.
 
-The safetensors reader and writer are ours (the format is an 8-byte little-endian header
-length, a JSON header, then raw little-endian tensor bytes) so that bf16 files load
-without a bf16 NumPy dtype, the header is validated before anything is allocated, and
-nothing in a file is ever executed.
+Weights go through mindloom's one safetensors codec (`_safetensors`: bf16 without a bf16
+NumPy dtype, every header checked before anything is allocated, nothing in a file ever
+executed).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 
-from mindloom_model._llama import Llama, ModelConfig
+from mindloom_model import _safetensors as st
+from mindloom_model._config import ModelConfig
+from mindloom_model._llama import Llama
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-_MAX_HEADER = 100 * 1024 * 1024  # a header is a few KB per tensor; refuse absurd lengths
-
-_NP = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I32": np.int32, "I64": np.int64}
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8}
 
 
 class HFFormatError(ValueError):
@@ -142,114 +137,17 @@ def config_from_hf(d: dict, where: str = CONFIG, **overrides) -> ModelConfig:
 # ----------------------------------------------------------------------------- safetensors
 
 
-def _bf16_bytes(a: np.ndarray) -> bytes:
-    # fp32 -> bf16 with round-to-nearest-even on the upper 16 bits
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return rounded.astype("<u2").tobytes()
-
-
-def write_safetensors(
-    path: str | os.PathLike, tensors: dict[str, np.ndarray], dtype: str = "float32", metadata=None
-) -> None:
-    """Write fp32 arrays as F32/F16/BF16 safetensors, atomically (temp name, fsync, rename)."""
-    code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}[dtype]
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        a = np.asarray(tensors[name], np.float32)
-        if code == "BF16":
-            raw = _bf16_bytes(a)
-        else:
-            raw = np.ascontiguousarray(a.astype("<f4" if code == "F32" else "<f2")).tobytes()
-        header[name] = {
-            "dtype": code,
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for raw in blobs:
-            f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """(header without __metadata__, data start offset); validated before any tensor is read."""
-    path = Path(path)
+    """The codec's checked header, its refusal as an HFFormatError (the same line)."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            first = f.read(8)
-            if len(first) < 8:
-                raise HFFormatError(
-                    f"{path}: not a safetensors file ({size} bytes, no header length)"
-                )
-            (n,) = struct.unpack("<Q", first)
-            if n > min(size - 8, _MAX_HEADER):
-                raise HFFormatError(
-                    f"{path}: header length {n} at byte 0 exceeds the file ({size} bytes)"
-                )
-            raw = f.read(n)
-    except OSError as e:
-        raise HFFormatError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFFormatError(
-            f"{path}: header is not valid JSON at byte {8 + getattr(e, 'pos', 0)}"
-        ) from None
-    if not isinstance(header, dict):
-        raise HFFormatError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_len = size - 8 - n
-    for name, info in header.items():
-        try:
-            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise HFFormatError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in _ITEMSIZE:
-            raise HFFormatError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
-            raise HFFormatError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
-        want = math.prod(shape) * _ITEMSIZE[dtype]
-        if not (
-            isinstance(begin, int)
-            and isinstance(end, int)
-            and 0 <= begin <= end <= data_len
-            and end - begin == want
-        ):
-            raise HFFormatError(
-                f"{path}: tensor {name!r} data_offsets [{begin}, {end}] do not fit shape {shape} {dtype} in {data_len} data bytes"
-            )
-    return header, 8 + n
+        return st.read_safetensors_header(path)
+    except st.SafetensorsError as e:
+        raise HFFormatError(str(e)) from None
 
 
 def _read_tensor(f, info: dict, data_start: int) -> np.ndarray:
-    begin, end = info["data_offsets"]
-    f.seek(data_start + begin)
-    raw = f.read(end - begin)
-    if info["dtype"] == "BF16":
-        a = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        a = np.frombuffer(raw, np.dtype(_NP[info["dtype"]]).newbyteorder("<"))
-    return a.astype(np.float32).reshape(info["shape"])
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    header, start = read_safetensors_header(path)
-    with open(path, "rb") as f:
-        return {name: _read_tensor(f, info, start) for name, info in header.items()}
+    # the model's parameters are fp32 masters whatever the file stores
+    return st.read_tensor(f, info, data_start, getattr(f, "name", "<file>")).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -290,7 +188,7 @@ def write_hf_dir(out_dir, tensors: dict[str, np.ndarray], config: dict, dtype: s
     directory with a config is complete."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / WEIGHTS, tensors, dtype, metadata={"format": "pt"})
+    st.write_safetensors(out / WEIGHTS, tensors, dtype, metadata={"format": "pt"})
     tmp = out / (CONFIG + ".tmp")
     with open(tmp, "w") as f:
         json.dump(config, f, indent=2)

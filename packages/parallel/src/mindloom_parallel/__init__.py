@@ -34,7 +34,7 @@ from mindloom_parallel._layout import (
     shard_tensor,
     tensor_layout,
 )
-from mindloom_parallel._pp import one_f_one_b, stage_layers
+from mindloom_parallel._pp import one_f_one_b, pipeline_stage, stage_layers
 from mindloom_parallel._zero import adamw_scalars, chunk_metadata, zero_owners
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "native_collectives",
     "one_f_one_b",
     "parallelize_llama",
+    "pipeline_stage",
     "rank_coords",
     "rank_state",
     "rank_tensor_names",
@@ -78,6 +79,7 @@ __all__ = [
     "stage_layers",
     "tensor_layout",
     "validate",
+    "vocab_start",
     "zero_owners",
 ]
 
@@ -91,6 +93,7 @@ _LAZY = {
     "parallelize_llama": "_tp",
     "ZeroAdamW": "_zero",
     "gather_rows": "_zero",
+    "vocab_start": "_tp",
 }
 
 

@@ -17,36 +17,27 @@ from mindloom_parallel._comm import CommStats, all_reduce, exchange, record_into
 from mindloom_parallel._config import ParallelConfigError
 from mindloom_parallel._dp import GradReducer
 from mindloom_parallel._groups import ParallelGroups
-from mindloom_parallel._pp import one_f_one_b, stage_layers
-from mindloom_parallel._tp import VocabParallelLossSum, parallelize_llama
+from mindloom_parallel._pp import one_f_one_b, pipeline_stage, stage_layers
+from mindloom_parallel._tp import VocabParallelLossSum, parallelize_llama, vocab_start
 
 __all__ = ["ParallelEngine"]
 
 
 class _Stage(nn.Cell):
-    """This rank's pipeline stage of the model: embed (first), a block of layers, norm and
-    head (last). Mirrors ``Llama.construct`` so every layout computes the same function."""
+    """This rank's pipeline stage (the model cut by ``pipeline_stage``), and on the last
+    stage its loss: the model's own forward, so every layout computes the same function."""
 
-    def __init__(self, model, layer_ids: list[int], first: bool, last: bool, loss_sum):
+    def __init__(self, model, last: bool, loss_sum):
         super().__init__(auto_prefix=False)
         self.model = model
-        self.layer_ids = layer_ids
-        self.first, self.last = first, last
+        self.last = last
         self.loss_sum = loss_sum
 
     def construct(self, x, position_ids, segment_ids, labels, loss_mask, denom):
-        m = self.model
-        cos, sin, bias = m.attention_inputs(position_ids, segment_ids)
-        if self.first:
-            x = m.embed(x)
-            if m.embed_dropout is not None:
-                x = m.embed_dropout(x)
-        for i in self.layer_ids:
-            x = m.layers[i](x, cos, sin, bias)
+        out = self.model(x, position_ids, segment_ids)
         if not self.last:
-            return x
-        logits = m.head(m.norm(x))
-        return self.loss_sum(logits, labels, loss_mask) / denom
+            return out
+        return self.loss_sum(out, labels, loss_mask) / denom
 
 
 class ParallelEngine:
@@ -71,9 +62,9 @@ class ParallelEngine:
         self.sp = bool(pcfg.sequence_parallel) and groups.tp.size > 1
         first, last = groups.is_first_stage, groups.is_last_stage
         self.layer_ids = stage_layers(cfg.num_layers, pcfg.pp, groups.pp_rank)
-        tp_info = model._ml_tp
-        self.loss_sum = VocabParallelLossSum(groups.tp, tp_info["vocab_start"])
-        self.stage = _Stage(model, self.layer_ids, first, last, self.loss_sum)
+        self.loss_sum = VocabParallelLossSum(groups.tp, vocab_start(cfg, groups.tp))
+        pipeline_stage(model, self.layer_ids, first, last)
+        self.stage = _Stage(model, last, self.loss_sum)
         tied = bool(cfg.tie_embeddings)
         keep = []
         for name, p in model.parameters_and_names():

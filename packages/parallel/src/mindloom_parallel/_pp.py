@@ -1,4 +1,8 @@
-"""Pipeline parallel: stage assignment and the 1F1B (one-forward-one-backward) schedule.
+"""Pipeline parallel: stage assignment, the stage model and the 1F1B schedule.
+
+A stage is the model itself with the other stages' parts removed (``pipeline_stage``):
+``mindloom_model.Llama.construct`` embeds only token ids and stops before the final norm
+when that is gone, so every layout runs the one forward there is.
 
 The schedule is a plain list of actions per stage (Megatron's non-interleaved 1F1B), so
 it can be checked without processes: ``simulate`` runs every stage's list against its
@@ -12,13 +16,43 @@ Communication actions between stage s and s+1 pair up as
 
 from __future__ import annotations
 
-__all__ = ["stage_layers", "one_f_one_b", "simulate"]
+__all__ = ["stage_layers", "pipeline_stage", "one_f_one_b", "simulate"]
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> list[int]:
     """Contiguous, equal blocks of layers (validate() guarantees divisibility)."""
     k = num_layers // pp
     return list(range(stage * k, (stage + 1) * k))
+
+
+def pipeline_stage(model, layer_ids: list[int], first: bool, last: bool):
+    """Cut ``model`` (a ``mindloom_model.Llama``) in place down to one pipeline stage; returns it.
+
+    Kept: the layers ``layer_ids`` (under their global names, ``layers.3...``), the
+    embedding on the first stage (and on the last when the head is tied to it), the final
+    norm and head on the last. The stage then maps token ids (first) or hidden states
+    [B, S, D] to hidden states, or (last) to logits. The whole range on one stage leaves
+    the model untouched.
+    """
+    from collections import OrderedDict
+
+    from mindspore import nn
+
+    n = len(model.layers)
+    if first and last and list(layer_ids) == list(range(n)):
+        return model
+    if not first and not (last and model.tie_embeddings):
+        model.embed = None
+        model.embed_dropout = None
+    if not last:
+        model.norm = None
+        if not model.tie_embeddings:
+            model.lm_head = None
+    kept = OrderedDict((str(i), model.layers[i]) for i in layer_ids)
+    model.layers = nn.SequentialCell(kept)
+    for name, p in model.parameters_and_names():
+        p.name = name  # global module paths, unique for graph mode
+    return model
 
 
 def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[tuple]:

@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism applied from outside a ``mindloom_model.Llama``.
 
 The model keeps every projection as a small ``Linear`` attribute and reads its head
-counts from the attention instance, so TP is attribute assignment (torchtitan-style):
+counts from the attention instance, so TP is attribute assignment (torchtitan-style),
+driven by the plan ``mindloom_model.llama_tp_plan()`` ({module path pattern: style}):
 
 - ``wq/wk/wv`` and ``w1/w3``, ``lm_head``: column-parallel, each rank keeps a block of
   output rows (whole heads for attention, so GQA's head grouping stays local);
@@ -22,6 +23,8 @@ that ``ParallelEngine`` all-reduces over the TP group.
 
 from __future__ import annotations
 
+import fnmatch
+
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
@@ -34,10 +37,7 @@ from mindloom_parallel._comm import (
     all_reduce_max,
 )
 
-__all__ = ["parallelize_llama", "VocabParallelLossSum", "COLUMN_PARALLEL", "ROW_PARALLEL"]
-
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "lm_head", "embed")  # split axis 0 (rows)
-ROW_PARALLEL = ("wo", "w2")  # split axis 1 (columns)
+__all__ = ["parallelize_llama", "vocab_start", "VocabParallelLossSum"]
 
 
 def _rows(p: Parameter, r: int, n: int):
@@ -110,25 +110,35 @@ class _VocabParallelEmbedding(nn.Cell):
         return self.exit(x)
 
 
-def parallelize_llama(model, pcfg, groups):
+def vocab_start(model_cfg, tp: Group) -> int:
+    """The first vocabulary id of this TP rank's block of the embedding and the logits."""
+    return tp.index * (model_cfg.vocab_size // tp.size)
+
+
+def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None):
     """Split ``model`` (a ``mindloom_model.Llama``) in place for ``groups.tp``; returns it.
+
+    ``plan``: {module path pattern: style}, by default ``mindloom_model.llama_tp_plan()``;
+    each module whose path matches is replaced (or, for ``local_heads``, adjusted) as its
+    style says. Nothing is stored on the model: the vocabulary block of a rank is
+    ``vocab_start(model.config, groups.tp)``.
 
     Every rank must pass an identically initialized model (same seed): each keeps its own
     shard of the full weights. ``tp == 1`` leaves the model untouched. Parameter names
     stay the module paths (``layers.0.attn.wq.weight``), now naming local shards; their
     global shapes and split axes are in ``mindloom_parallel.tensor_layout``.
     """
-    if getattr(model, "_ml_tp", None) is not None:
-        return model
     tp: Group = groups.tp
     n, r = tp.size, tp.index
-    sp = bool(pcfg.sequence_parallel)
-    cfg = model.config
-    vocab_local = cfg.vocab_size // n
-    model._ml_tp = {"group": tp, "vocab_start": r * vocab_local, "sp": sp}
-    if n == 1:
+    if n == 1 or isinstance(model.embed, _VocabParallelEmbedding):  # nothing to do, or done
         return model
+    if plan is None:
+        from mindloom_model import llama_tp_plan
+
+        plan = llama_tp_plan()
+    sp = bool(pcfg.sequence_parallel)
     lin_cls = type(model.layers[0].attn.wq)
+    start = vocab_start(model.config, tp)
 
     def enter():
         return GatherSeq(tp) if sp else CopyToTP(tp)
@@ -136,26 +146,29 @@ def parallelize_llama(model, pcfg, groups):
     def exit_():
         return ReduceScatterSeq(tp) if sp else ReduceFromTP(tp)
 
-    for layer in model.layers:
-        a, m = layer.attn, layer.mlp
-        layer.attn_norm = _EnterNorm(layer.attn_norm, enter())
-        for name in ("wq", "wk", "wv"):
-            orig = getattr(a, name)
-            setattr(a, name, _linear_like(orig, _rows(orig.weight, r, n), lin_cls))
-        a.wo = _RowParallel(a.wo, _cols(a.wo.weight, r, n), exit_())
-        a.n_heads = a.n_heads // n
-        a.n_kv_heads = a.n_kv_heads // n
-        layer.mlp_norm = _EnterNorm(layer.mlp_norm, enter())
-        for name in ("w1", "w3"):
-            orig = getattr(m, name)
-            setattr(m, name, _linear_like(orig, _rows(orig.weight, r, n), lin_cls))
-        m.w2 = _RowParallel(m.w2, _cols(m.w2.weight, r, n), exit_())
-    emb = model.embed
-    model.embed = _VocabParallelEmbedding(emb, _rows(emb.weight, r, n), r * vocab_local, exit_())
-    model.norm = _EnterNorm(model.norm, enter())
-    if not cfg.tie_embeddings:
-        # local logits [B, S, V/tp]; the head ties to model.embed's local rows when tied
-        model.lm_head = _linear_like(model.lm_head, _rows(model.lm_head.weight, r, n), lin_cls)
+    def apply(style: str, cell):
+        if style == "colwise":
+            return _linear_like(cell, _rows(cell.weight, r, n), lin_cls)
+        if style == "rowwise":
+            return _RowParallel(cell, _cols(cell.weight, r, n), exit_())
+        if style == "vocab":
+            return _VocabParallelEmbedding(cell, _rows(cell.weight, r, n), start, exit_())
+        if style == "region_entry":
+            return _EnterNorm(cell, enter())
+        if style == "local_heads":
+            cell.n_heads = cell.n_heads // n
+            cell.n_kv_heads = cell.n_kv_heads // n
+            return None  # adjusted in place
+        raise ValueError(f"tensor-parallel plan: unknown style {style!r}")
+
+    for path, cell in list(model.cells_and_names()):
+        style = next((st for pat, st in plan.items() if fnmatch.fnmatchcase(path, pat)), None)
+        if style is None or not path:
+            continue
+        new = apply(style, cell)
+        if new is not None:
+            parent, _, attr = path.rpartition(".")
+            setattr(model.get_sub_cell(parent) if parent else model, attr, new)
     _rename(model)
     return model
 

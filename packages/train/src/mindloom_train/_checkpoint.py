@@ -24,11 +24,11 @@ import math
 import os
 import re
 import shutil
-import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import mindloom_model  # the safetensors codec; importing it loads no MindSpore
 import numpy as np
 
 FORMAT = "mindloom-checkpoint"
@@ -38,21 +38,7 @@ STEP_RE = re.compile(r"^step_(\d{8,})$")
 TRACKER_RE = re.compile(r"^\d+$")
 FILE_MODE = 0o640
 DIR_MODE = 0o750
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors reference limit
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-_ST_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 class CheckpointError(RuntimeError):
@@ -130,104 +116,30 @@ def _mkdir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# safetensors, by hand: the header is checked before any allocation depends on it
+# safetensors: mindloom_model's one codec (the header checked before any allocation
+# depends on it); its refusals become CheckpointError with the same line
 
 
 def encode_safetensors(tensors: dict[str, np.ndarray]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "np"}}
-    offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        st = _NP_TO_ST.get(arr.dtype)
-        if st is None:
-            raise CheckpointError(f"tensor {name}: dtype {arr.dtype} cannot be saved")
-        header[name] = {
-            "dtype": st,
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
-    return b"".join([struct.pack("<Q", len(blob)), blob, *(a.tobytes() for a in arrays)])
+    try:
+        return mindloom_model.encode_safetensors(tensors, metadata={"format": "np"})
+    except mindloom_model.SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """(tensor entries, data start); CheckpointError naming the file on any defect."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(
-                    f"{path}: header length {n} does not fit the file ({size} bytes): "
-                    "truncated or corrupt"
-                )
-            raw = f.read(n)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: corrupt header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt header (not a JSON object)")
-    header.pop("__metadata__", None)
-    data_len = size - 8 - n
-    spans = []
-    for name, entry in header.items():
-        try:
-            dtype = _ST_DTYPES[entry["dtype"]]
-            shape = [int(d) for d in entry["shape"]]
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if any(d < 0 for d in shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has a negative dimension")
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        if not 0 <= begin <= end or end - begin != nbytes:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} offsets [{begin}, {end}] do not match shape {shape}"
-            )
-        if end > data_len:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} ends at byte {end} but the data section has "
-                f"{data_len} bytes: truncated"
-            )
-        spans.append((begin, end, name))
-    spans.sort()
-    pos = 0
-    for begin, end, name in spans:
-        if begin != pos:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} overlaps or leaves a gap at byte {begin}"
-            )
-        pos = end
-    if pos != data_len:
-        raise CheckpointError(f"{path}: {data_len - pos} trailing bytes after the last tensor")
-    return header, 8 + n
+        return mindloom_model.read_safetensors_header(path)
+    except mindloom_model.SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def load_safetensors(path: Path) -> dict[str, np.ndarray]:
-    header, start = read_safetensors_header(path)
-    out = {}
-    with open(path, "rb") as f:
-        for name, entry in header.items():
-            begin, end = entry["data_offsets"]
-            f.seek(start + begin)
-            buf = f.read(end - begin)
-            if len(buf) != end - begin:
-                raise CheckpointError(f"{path}: truncated inside tensor {name!r}")
-            dtype = np.dtype(_ST_DTYPES[entry["dtype"]]).newbyteorder("<")
-            out[name] = np.frombuffer(buf, dtype=dtype).reshape(entry["shape"]).copy()
-    return out
+    try:
+        return mindloom_model.read_safetensors(path)
+    except mindloom_model.SafetensorsError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------
