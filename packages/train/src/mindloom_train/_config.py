@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from mindloom_train._health import HealthConfig, check_config
+
 
 class ConfigError(ValueError):
     """A config problem, always one line naming the key and the value."""
@@ -199,6 +201,7 @@ class MonitorConfig:
     log_interval: int = 10
     progress_bar: bool = True
     peak_tflops: float | None = None  # overrides the device peak table (MFU)
+    health: HealthConfig = field(default_factory=HealthConfig)  # training-health rules
 
 
 @dataclass
@@ -451,6 +454,8 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
     ]:
         if opt is not None:
             _check(opt > 0, key, opt, "must be > 0 (or null)")
+    if (bad := check_config(cfg.monitor.health)) is not None:
+        _check(False, *bad)
     _check(p.bucket_size_mb > 0, "parallelism.bucket_size_mb", p.bucket_size_mb, "must be > 0")
     _check(p.zero_stage in (0, 1), "parallelism.zero_stage", p.zero_stage, "must be 0 or 1")
     for key, val in [

@@ -143,6 +143,10 @@ class Trainer:
         is_main = self.rank == 0
         self.log = RunLog(self.run_dir / "train.log" if is_main else None, self.console, self.rank)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if is_main else None)
+        if cfg.monitor.health.enabled:  # training-health rules on every record
+            from mindloom_train._health import HealthMonitor
+
+            self.metrics.health = HealthMonitor(cfg.monitor.health, self.log)
         if is_main:
             ck.atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
             ck.clean_stale_saves(self.save_path, self.log)
