@@ -195,7 +195,13 @@ def test_a_learning_rate_of_1e7_is_flagged_as_flat_loss(prepared, tmp_path):
 
 
 def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor=MON)
+    # with the in-graph numerics on: their fields reach every step record
+    cfg = base_config(prepared, tmp_path, training=RUN, monitor={**MON, "numerics": True})
     assert run_config(cfg) == 0
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
-    assert len([r for r in read_metrics(tmp_path) if "event" not in r]) == 12
+    recs = [r for r in read_metrics(tmp_path) if "event" not in r]
+    assert len(recs) == 12
+    for key in ("grad_norm_layers", "param_norm_layers", "update_ratio_layers",
+                "adam_m_layers", "adam_sqrt_v_layers"):  # fmt: skip
+        assert all(len(r[key]) == 2 and all(math.isfinite(x) for x in r[key]) for r in recs), key
+    assert 0 < recs[-1]["update_ratio_layers"][0] < 0.1

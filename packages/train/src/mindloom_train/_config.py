@@ -202,6 +202,7 @@ class MonitorConfig:
     progress_bar: bool = True
     peak_tflops: float | None = None  # overrides the device peak table (MFU)
     health: HealthConfig = field(default_factory=HealthConfig)  # training-health rules
+    numerics: bool = False  # per-layer grad/param norms, update ratio, AdamW moments
 
 
 @dataclass

@@ -76,6 +76,7 @@ class MetricsWriter:
         self.path = path
         self._f: TextIO | None = None
         self.health: Any = None  # a _health.HealthMonitor: sees each record, adds its events
+        self.numerics: Any = None  # a _step.NumericsFields: per-layer fields of step records
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open_run_file(path)
@@ -84,6 +85,8 @@ class MetricsWriter:
         if self._f is None:
             return
         after: list[dict[str, Any]] = []
+        if self.numerics is not None and "event" not in record:
+            record = {**record, **self.numerics.fields()}
         if self.health is not None and record.get("event") != "health":
             record, after = self.health.observe(record)
         record = {"time": time.time(), **record}

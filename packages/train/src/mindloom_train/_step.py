@@ -257,6 +257,21 @@ def layer_numerics(names: list[str], sizes: list[int], rows: np.ndarray) -> dict
     return out
 
 
+class NumericsFields:
+    """The newest step's numerics rows (a Tensor, read only when a record is written) and
+    their per-layer metrics fields."""
+
+    def __init__(self, weights):
+        self.names = [p.name for p in weights]
+        self.sizes = [int(np.prod(p.shape)) for p in weights]
+        self.rows = None
+
+    def fields(self) -> dict[str, list]:
+        if self.rows is None:
+            return {}
+        return layer_numerics(self.names, self.sizes, self.rows.asnumpy())
+
+
 class MeanOver(nn.Cell):
     """Mean of a tensor over a process group (the data-parallel ranks)."""
 

@@ -279,8 +279,10 @@ class Trainer:
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            self.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
-        )
+            self.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
+            numerics=cfg.monitor.numerics)  # fmt: skip
+        if cfg.monitor.numerics:
+            self.metrics.numerics = _step.NumericsFields(weights)
         self.accum_step = (
             _step.AccumStep(self.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
             if self.accum > 1
@@ -928,6 +930,8 @@ class Trainer:
                     loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.train_step(
                         *self._tensors(batch), hyper, dkey
                     )
+                    if cfg.monitor.numerics:  # the last output; read at the log step only
+                        *moe_t, self.metrics.numerics.rows = moe_t
                     if moe_t:
                         self.moe_window.add(moe_t[0].asnumpy())
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
