@@ -23,6 +23,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, Log, RichLog, Static
 from textual_plotext import PlotextPlot
 
+from mindloom_monitor._health import health_lines
 from mindloom_monitor._moe import SHADES, heat_cells
 from mindloom_monitor._source import CONFIG, METRICS, Batch, RunSource, apply_batch
 from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration, fmt_num
@@ -30,7 +31,10 @@ from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration, 
 RANGES: tuple[int | None, ...] = (None, 1000, 100)  # "all", then the last N steps
 PANES = ("plots", "events", "log")
 MOE_PANE = "moe"  # a fourth pane, offered only while the selected run has MoE fields
-PANE_LABELS = {"plots": "Plots", "events": "Events", "log": "Log", MOE_PANE: "MoE"}
+HEALTH_PANE = "health"  # offered while the selected run has health fields or alerts
+PANE_LABELS = {"plots": "Plots", "events": "Events", "log": "Log", MOE_PANE: "MoE",
+               HEALTH_PANE: "Health"}  # fmt: skip
+PANE_KEYS = {"plots": 1, "events": 2, "log": 3, MOE_PANE: 4, HEALTH_PANE: 5}
 LOG_KEEP = 2000  # lines of train.log kept per run
 EVENT_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
 PALETTE = ("cyan", "orange", "green", "magenta", "blue", "red")
@@ -242,6 +246,10 @@ class MonitorApp(App):
     #moe-heat { width: 1fr; height: 1fr; scrollbar-size-vertical: 1; }
     #moe-plots { width: 1fr; height: 1fr; }
     #moe-plots MetricPlot { height: 1fr; }
+    #health { layout: horizontal; }
+    #health-box { width: 1fr; height: 1fr; scrollbar-size-vertical: 1; }
+    #health-plots { width: 1fr; height: 1fr; }
+    #health-plots MetricPlot { height: 1fr; }
     #main.-wide #tabs { display: none; }
     #main.-wide #body { layout: grid; grid-size: 2 2; grid-rows: 2fr 1fr; }
     #main.-wide .pane { display: block; border: round $panel-lighten-2; }
@@ -250,6 +258,10 @@ class MonitorApp(App):
     #main.-wide #moe { display: none; }
     #main.-wide.-moe #body { grid-size: 2 3; grid-rows: 3fr 2fr 1fr; }
     #main.-wide.-moe #moe { display: block; column-span: 2; border: none; }
+    #main.-wide #health { display: none; }
+    #main.-wide.-health #body { grid-size: 2 3; grid-rows: 3fr 2fr 1fr; }
+    #main.-wide.-health #health { display: block; column-span: 2; border: none; }
+    #main.-wide.-moe.-health #body { grid-size: 2 4; grid-rows: 3fr 2fr 2fr 1fr; }
     """
     BINDINGS = [
         Binding("tab", "next_pane", "Pane", priority=True),
@@ -257,6 +269,7 @@ class MonitorApp(App):
         Binding("2", "pane('events')", "Events", show=False),
         Binding("3", "pane('log')", "Log", show=False),
         Binding("4", "pane('moe')", "MoE", show=False),
+        Binding("5", "pane('health')", "Health", show=False),
         Binding("r", "cycle_range", "Range"),
         Binding("p", "toggle_follow", "Pause"),
         Binding("space", "toggle_follow", "Pause", show=False),
@@ -321,6 +334,13 @@ class MonitorApp(App):
                     with Vertical(id="moe-plots"):
                         yield MetricPlot(id="plot-moe_imbalance")
                         yield MetricPlot(id="plot-mtp_loss")
+                with Container(id="health", classes="pane"):
+                    with VerticalScroll(id="health-box", can_focus=False):
+                        yield Static(id="health-text")
+                    with Vertical(id="health-plots"):
+                        yield MetricPlot(id="plot-comm_share")
+                        yield MetricPlot(id="plot-data_wait")
+                        yield MetricPlot(id="plot-mem")
                 events = RichLog(id="events", classes="pane", max_lines=2000, wrap=False)
                 events.border_title = "events"
                 yield events
@@ -414,6 +434,10 @@ class MonitorApp(App):
                 f"  waiting for {METRICS}" if not data.metrics_exists else "  no metric lines yet"
             )
         t.append("\n")
+        if data.alerts:  # first on its line: a narrow terminal cuts the end of the line
+            last = data.alerts[-1]
+            t.append(f"health: {len(data.alerts)} alert(s), last {last.kind}", style="bold yellow")
+            t.append("  ")
         ckpt = data.last_checkpoint
         t.append(f"tokens {fmt_count(data.tokens)}  ckpt {ckpt[0] if ckpt else '-'}  ")
         t.append(
@@ -435,29 +459,41 @@ class MonitorApp(App):
 
     @property
     def panes(self) -> tuple[str, ...]:
-        return PANES + (MOE_PANE,) if self.runs[self.selected].has_moe else PANES
+        data = self.runs[self.selected]
+        return (
+            PANES
+            + ((MOE_PANE,) if data.has_moe else ())
+            + ((HEALTH_PANE,) if data.has_health else ())
+        )
 
     def _sync_moe(self) -> None:
-        """Offer the MoE pane while the selected run has MoE fields (and only then)."""
-        has = self.runs[self.selected].has_moe
+        """Offer the MoE and Health panes while the selected run has their fields (and
+        only then)."""
+        data = self.runs[self.selected]
         main = self.query("#main")
-        if not main or main.first().has_class("-moe") == has:
+        if not main:
             return
-        main.first().set_class(has, "-moe")
-        if not has and self.pane == MOE_PANE:
-            self.pane = "plots"
-        self._update_tabs()
+        changed = False
+        for pane, has in ((MOE_PANE, data.has_moe), (HEALTH_PANE, data.has_health)):
+            if main.first().has_class(f"-{pane}") == has:
+                continue
+            changed = True
+            main.first().set_class(has, f"-{pane}")
+            if not has and self.pane == pane:
+                self.pane = "plots"
+        if changed:
+            self._update_tabs()
 
     def _update_tabs(self) -> None:
         parts = []
-        for i, pane in enumerate(self.panes, 1):
-            label = f"{i} {PANE_LABELS[pane]}"
+        for pane in self.panes:
+            label = f"{PANE_KEYS[pane]} {PANE_LABELS[pane]}"
             if pane == self.pane:
                 parts.append(f"[reverse][@click=app.pane('{pane}')] {label} [/][/]")
             else:
                 parts.append(f"[@click=app.pane('{pane}')] {label} [/]")
         self.query_one("#tabs", Static).update("".join(parts))
-        for pane in (*PANES, MOE_PANE):
+        for pane in (*PANES, MOE_PANE, HEALTH_PANE):
             self.query_one(f"#{pane}").set_class(pane == self.pane, "-active")
 
     def _schedule_redraw(self) -> None:
@@ -542,6 +578,24 @@ class MonitorApp(App):
         self.query_one("#plot-throughput", MetricPlot).draw(thr_title, thr)
         if any(data.has_moe for _, data in runs):
             self._draw_moe(runs, n, buckets)
+        if any(data.has_health for _, data in runs):
+            self._draw_health(runs, n, buckets)
+
+    def _draw_health(self, runs, n, buckets) -> None:
+        comm, wait, mem = [], [], []
+        for i, data in runs:
+            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
+            name = data.name if self.overlay else ""
+            for out, key in ((comm, "comm_share"), (wait, "data_wait_frac")):
+                xs, ys = data.view(key, n, buckets)
+                out.append((name, xs, [100 * y for y in ys], "left", color, "line"))
+            mem.append((name, *data.view("mem_rss_mb", n, buckets), "left", color, "line"))
+        self.query_one("#plot-comm_share", MetricPlot).draw("communication % of step", comm)
+        self.query_one("#plot-data_wait", MetricPlot).draw("data wait % of step", wait)
+        self.query_one("#plot-mem", MetricPlot).draw("RSS MiB (rank 0)", mem)
+        width = max(10, self.size.width // 2 - 12)
+        text = "\n".join(health_lines(self.runs[self.selected], width=width))
+        self.query_one("#health-text", Static).update(Text(text))
 
     def _draw_moe(self, runs, n, buckets) -> None:
         imb, mtp = [], []

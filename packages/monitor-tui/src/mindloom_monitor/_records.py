@@ -33,6 +33,18 @@ KNOWN_FIELDS = (
     *MOE_SCALARS,
 )
 _MOE_KEYS = frozenset((*MOE_SCALARS, "moe_load", "moe_imbalance"))
+# Per-rank and per-layer number lists (health panels); another list is ignored, and so is
+# one of these that is not a list of numbers or null
+LIST_FIELDS = (
+    "comm_share_ranks",
+    "comm_s_ranks",
+    "mem_rss_mb_ranks",
+    "max_logits",
+    "grad_norm_layers",
+    "param_norm_layers",
+    "update_ratio_layers",
+)
+MAX_LIST = 4096
 
 
 @dataclass(slots=True)
@@ -46,6 +58,7 @@ class Metric:
     fields: dict[str, float]
     moe_load: list[list[float]] | None = None
     moe_imbalance: list[float] | None = None
+    lists: dict[str, list[float]] = field(default_factory=dict)  # LIST_FIELDS present
 
 
 @dataclass(slots=True)
@@ -117,7 +130,14 @@ def parse_obj(obj: object) -> Record | None:
         number = _number(value)
         if number is not None:
             fields[key] = number
-    return Metric(step, _time(obj.get("time")), fields, moe_load, moe_imbalance)
+    lists: dict[str, list[float]] = {}
+    for key in LIST_FIELDS:
+        value = obj.get(key)
+        if isinstance(value, list) and 0 < len(value) <= MAX_LIST:
+            numbers = [_number(v) for v in value]
+            if all(n is not None for n in numbers):
+                lists[key] = numbers
+    return Metric(step, _time(obj.get("time")), fields, moe_load, moe_imbalance, lists)
 
 
 def parse_line(line: bytes | str) -> Record | None:

@@ -20,8 +20,11 @@ from mindloom_monitor._moe import imbalance, overall_imbalance
 from mindloom_monitor._records import Event, Metric, Record
 
 MAX_EVENTS = 20_000  # per run; the oldest half is dropped beyond this
+MAX_ALERTS = 200  # health alerts kept per run
 # Series kept per run, in plotting order.
-SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mtp_loss", "moe_imbalance_overall")
+SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mtp_loss", "moe_imbalance_overall",
+          "comm_share", "data_wait_frac", "mem_rss_mb", "max_logit")  # fmt: skip
+HEAT_STEPS = 400  # per-layer lists kept per run (the layer x step heat maps)
 
 
 @dataclass(slots=True)
@@ -142,6 +145,13 @@ class RunData:
         self.moe_load: list[list[float]] | None = None
         self.moe_imbalance: list[float] | None = None
         self.moe_step: int | None = None
+        # training health (issue 18): the trainer's `health` events, and the per-rank and
+        # per-layer lists of the newest records (_records.LIST_FIELDS)
+        self.has_health = False
+        self.trainer_health = False  # its start event says the trainer judges spikes itself
+        self.alerts: list[EventEntry] = []
+        self.ranks: dict[str, tuple[int, list[float]]] = {}
+        self.layers: dict[str, deque[tuple[int, list[float]]]] = {}
 
     # --- feeding -------------------------------------------------------------------
     def add_skipped(self, n: int) -> None:
@@ -201,6 +211,7 @@ class RunData:
             name = d.get("run_name")
             if isinstance(name, str) and name:
                 self.name = name
+            self.trainer_health = isinstance(d.get("health"), dict)
             if ev.time is not None and (self.start_time is None or self.end is not None):
                 self.start_time = ev.time
             self.end = None
@@ -250,6 +261,16 @@ class RunData:
             }.get(kind, kind)
             level = "error" if action == "stopped" or kind.startswith("nonfinite") else "warn"
             self._event(derived, ev.step, ev.time, f"{kind} {value} ({action})", level)
+        elif ev.kind == "health":
+            rule = d.get("rule") if isinstance(d.get("rule"), str) and d.get("rule") else "health"
+            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+            advice = d.get("advice") if isinstance(d.get("advice"), str) else ""
+            text = reason + (f"; advice: {advice}" if advice else "")
+            self.has_health = True
+            if (rule, ev.step) not in self._seen:
+                self.alerts.append(EventEntry(rule, ev.step, ev.time, text, "warn"))
+                del self.alerts[:-MAX_ALERTS]
+            self._event(rule, ev.step, ev.time, text, "warn")
         elif ev.kind == "end":
             self.end = ev
             status = d.get("status") if isinstance(d.get("status"), str) else "ended"
@@ -284,6 +305,9 @@ class RunData:
             self._loss_win.clear()
             self._grad_win.clear()
             self._tps_win.clear()
+            for hist in self.layers.values():
+                while hist and hist[-1][0] >= m.step:
+                    hist.pop()
             # The re-run's evals and checkpoints at these steps are news, not duplicates.
             self.evals = [e for e in self.evals if e[0] < m.step]
             self._seen = {k for k in self._seen if k[1] is None or k[1] < m.step}
@@ -297,6 +321,8 @@ class RunData:
         self.times.append(m.time if m.time is not None else math.nan)
         if m.moe_load is not None or m.moe_imbalance is not None or "mtp_loss" in f:
             self._add_moe(m)
+        if m.lists or "comm_share" in f:
+            self._add_health(m)
         for key in SERIES:
             self.series[key].append(f.get(key, math.nan))
         loss = f.get("loss")
@@ -332,6 +358,17 @@ class RunData:
             self.moe_imbalance = m.moe_imbalance
             self.moe_step = m.step
 
+    def _add_health(self, m: Metric) -> None:
+        self.has_health = True
+        for key, values in m.lists.items():
+            if key.endswith("_ranks"):
+                self.ranks[key] = (m.step, values)
+            else:
+                self.layers.setdefault(key, deque(maxlen=HEAT_STEPS)).append((m.step, values))
+        logits = [v for v in m.lists.get("max_logits", []) if math.isfinite(v)]
+        if logits:
+            m.fields["max_logit"] = max(logits)
+
     def _detect(self, m: Metric) -> None:
         s = self.settings
         f = m.fields
@@ -341,7 +378,9 @@ class RunData:
             self._event("nan", m.step, m.time, f"non-finite loss ({fmt_num(loss)})", "error")
         elif _finite(loss):
             win = self._loss_win
-            if len(win) >= 20:
+            # the trainer's own rules (one definition, train's _health.py and its per-step
+            # loss_spike anomaly) flag spikes of runs that say so in their start event
+            if len(win) >= 20 and not self.trainer_health:
                 mean = sum(win) / len(win)
                 std = math.sqrt(sum((x - mean) * (x - mean) for x in win) / len(win))
                 if loss > mean + max(s.spike_sigmas * std, 0.05 * abs(mean)):
@@ -359,7 +398,7 @@ class RunData:
             )
         elif _finite(grad):
             win = self._grad_win
-            if len(win) >= 10:
+            if len(win) >= 10 and not self.trainer_health:
                 med = median(win)
                 if med > 0 and grad > s.grad_spike_factor * med:
                     self._event(

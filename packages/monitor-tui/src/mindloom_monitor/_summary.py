@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from mindloom_monitor._health import health_lines
 from mindloom_monitor._stats import RunData, fmt_count, fmt_duration, fmt_num
 
 
@@ -129,6 +130,7 @@ def summary(data: RunData, now: float, events: int = 10) -> str:
     parts.insert(1 if "loss" in f else 0, f"smoothed {fmt_num(smoothed)}")
     lines.append(f"last metrics (step {step}): " + "  ".join(parts))
     lines.extend(moe_summary(data))
+    lines.extend(health_lines(data))
     if data.evals:
         s, loss, ppl = data.evals[-1]
         lines.append(f"last eval (step {s}): loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")

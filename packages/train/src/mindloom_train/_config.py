@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
+from mindloom_train._health import HealthConfig, check_config
+
 
 class ConfigError(ValueError):
     """A config problem, always one line naming the key and the value."""
@@ -199,6 +201,8 @@ class MonitorConfig:
     log_interval: int = 10
     progress_bar: bool = True
     peak_tflops: float | None = None  # overrides the device peak table (MFU)
+    health: HealthConfig = field(default_factory=HealthConfig)  # training-health rules
+    numerics: bool = False  # per-layer grad/param norms, update ratio, AdamW moments
 
 
 @dataclass
@@ -461,6 +465,8 @@ def validate(cfg: Config, *, check_model: bool = True) -> Config:
     ]:
         if opt is not None:
             _check(opt > 0, key, opt, "must be > 0 (or null)")
+    if (bad := check_config(cfg.monitor.health)) is not None:
+        _check(False, *bad)
     for key, val in [
         ("parallelism.comm_timeout_s", p.comm_timeout_s),
         ("parallelism.first_step_timeout_s", p.first_step_timeout_s),

@@ -75,6 +75,8 @@ class MetricsWriter:
     def __init__(self, path: Path | None):
         self.path = path
         self._f: TextIO | None = None
+        self.health: Any = None  # a _health.HealthMonitor: sees each record, adds its events
+        self.numerics: Any = None  # a _step.NumericsFields: per-layer fields of step records
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open_run_file(path)
@@ -82,6 +84,11 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             return
+        after: list[dict[str, Any]] = []
+        if self.numerics is not None and "event" not in record:
+            record = {**record, **self.numerics.fields()}
+        if self.health is not None and record.get("event") != "health":
+            record, after = self.health.observe(record)
         record = {"time": time.time(), **record}
         line = json.dumps(_clean(record), allow_nan=False, separators=(", ", ": ")) + "\n"
         data = line.encode("utf-8")
@@ -99,6 +106,8 @@ class MetricsWriter:
             except OSError:
                 pass
             raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from None
+        for ev in after:
+            self.write(ev)
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"event": name, **fields})

@@ -100,11 +100,15 @@ class TrainStep(_Base):
         grad_reducer: nn.Cell | None = None,
         loss_reducer: nn.Cell | None = None,
         moe: nn.Cell | None = None,
+        numerics: bool = False,
     ):
         super().__init__(auto_prefix=False)
         self.loss_net = loss_net
         self.weights = weights
         self.flags = flags
+        # off (the default): the graph is exactly the plain step's. On: the step also
+        # returns NUMERICS per parameter tensor (see layer_numerics)
+        self.numerics = numerics
         self.accum_steps = accum_steps
         self.exp_avg = ms.ParameterTuple(
             [Parameter(np.zeros(p.shape, np.float32), name="exp_avg." + p.name, requires_grad=False) for p in weights]
@@ -168,8 +172,16 @@ class TrainStep(_Base):
             clip > 0, ops.minimum(clip / (gnorm + 1e-6), 1.0), ops.ones((), ms.float32)
         )
         factor = factor * inv
+        before = ()
+        if self.numerics:
+            # copies of the weights as they were; each update below waits for its copy
+            for i in range(len(grads)):
+                before = before + (self.weights[i] * 1.0,)
         if ok:
             for i in range(len(grads)):
+                g_in = grads[i].astype(ms.float32) * factor
+                if self.numerics:
+                    g_in = ops.depend(g_in, before[i])
                 r = _adamw(
                     self.weights[i],
                     self.exp_avg[i],
@@ -179,7 +191,7 @@ class TrainStep(_Base):
                     hyper[H_B2],
                     hyper[H_EPS],
                     hyper[H_WD] * self.flags[i],
-                    grads[i].astype(ms.float32) * factor,
+                    g_in,
                 )
                 loss = ops.depend(loss, r)
         if self.acc is not None:
@@ -187,8 +199,77 @@ class TrainStep(_Base):
                 loss = ops.depend(loss, ops.assign(self.acc[i], ops.zeros_like(self.acc[i])))
         if self.moe is not None:
             loss = self.moe.update(stats, ok, loss)
+            if self.numerics:
+                return loss, gnorm, ok, stop, stats, self._numerics(loss, sq, inv, before)
             return loss, gnorm, ok, stop, stats
+        if self.numerics:
+            return loss, gnorm, ok, stop, self._numerics(loss, sq, inv, before)
         return loss, gnorm, ok, stop
+
+    def _numerics(self, loss, sq, inv, before):
+        """[n tensors, 5]: NUMERICS of each parameter tensor after this step's update."""
+        rows = ()
+        for i in range(len(before)):
+            after = ops.depend(self.weights[i], loss)  # read after the update
+            w = before[i].reshape(1, -1)
+            d = (after - before[i]).reshape(1, -1)
+            m = ops.abs(ops.depend(self.exp_avg[i], loss))
+            v = ops.sqrt(ops.depend(self.exp_avg_sq[i], loss))
+            rows = rows + (ops.stack((
+                sq[i] * inv * inv,
+                ops.matmul(w, w.T).reshape(()),
+                ops.matmul(d, d.T).reshape(()),
+                m.mean(),
+                v.mean(),
+            )),)  # fmt: skip
+        return ops.stack(rows)
+
+
+# columns of TrainStep's numerics output, per parameter tensor
+NUMERICS = ("grad_sq", "param_sq", "update_sq", "adam_m_abs_mean", "adam_sqrt_v_mean")
+
+
+def layer_numerics(names: list[str], sizes: list[int], rows: np.ndarray) -> dict[str, list]:
+    """Per transformer layer (tensors named `layers.N.*`), from TrainStep's numerics rows:
+    the gradient norm (unscaled, before clipping), the parameter norm before the update,
+    the update/weight ratio |w_after - w_before| / |w_before|, and the element-weighted
+    mean |m| and mean sqrt(v) of the AdamW moments after it."""
+    groups: dict[int, list[int]] = {}
+    for i, name in enumerate(names):
+        parts = name.split(".")
+        if "layers" in parts[:-1]:
+            at = parts.index("layers") + 1
+            if at < len(parts) and parts[at].isdigit():
+                groups.setdefault(int(parts[at]), []).append(i)
+    out: dict[str, list] = {"grad_norm_layers": [], "param_norm_layers": [],
+                            "update_ratio_layers": [], "adam_m_layers": [],
+                            "adam_sqrt_v_layers": []}  # fmt: skip
+    for layer in sorted(groups):
+        idx = groups[layer]
+        r = rows[idx].astype(np.float64)
+        n = np.array([sizes[i] for i in idx], np.float64)
+        w = math.sqrt(r[:, 1].sum())
+        out["grad_norm_layers"].append(math.sqrt(r[:, 0].sum()))
+        out["param_norm_layers"].append(w)
+        out["update_ratio_layers"].append(math.sqrt(r[:, 2].sum()) / w if w > 0 else math.nan)
+        out["adam_m_layers"].append(float((r[:, 3] * n).sum() / n.sum()))
+        out["adam_sqrt_v_layers"].append(float((r[:, 4] * n).sum() / n.sum()))
+    return out
+
+
+class NumericsFields:
+    """The newest step's numerics rows (a Tensor, read only when a record is written) and
+    their per-layer metrics fields."""
+
+    def __init__(self, weights):
+        self.names = [p.name for p in weights]
+        self.sizes = [int(np.prod(p.shape)) for p in weights]
+        self.rows = None
+
+    def fields(self) -> dict[str, list]:
+        if self.rows is None:
+            return {}
+        return layer_numerics(self.names, self.sizes, self.rows.asnumpy())
 
 
 class MeanOver(nn.Cell):

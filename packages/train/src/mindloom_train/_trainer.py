@@ -138,6 +138,10 @@ class Trainer:
         is_main = self.rank == 0
         self.log = RunLog(self.run_dir / "train.log" if is_main else None, self.console, self.rank)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if is_main else None)
+        if cfg.monitor.health.enabled:  # training-health rules on every record
+            from mindloom_train._health import HealthMonitor
+
+            self.metrics.health = HealthMonitor(cfg.monitor.health, self.log)
         if is_main:
             ck.atomic_write(self.run_dir / "config.yaml", dump_config(cfg).encode())
             ck.clean_stale_saves(self.save_path, self.log)
@@ -270,8 +274,10 @@ class Trainer:
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            self.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
-        )
+            self.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
+            numerics=cfg.monitor.numerics)  # fmt: skip
+        if cfg.monitor.numerics:
+            self.metrics.numerics = _step.NumericsFields(weights)
         self.accum_step = (
             _step.AccumStep(self.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
             if self.accum > 1
@@ -917,6 +923,8 @@ class Trainer:
                     loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.train_step(
                         *self._tensors(batch), hyper, dkey
                     )
+                    if cfg.monitor.numerics:  # the last output; read at the log step only
+                        *moe_t, self.metrics.numerics.rows = moe_t
                     if moe_t:
                         self.moe_window.add(moe_t[0].asnumpy())
                     loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())

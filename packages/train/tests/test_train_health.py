@@ -1,0 +1,207 @@
+"""Training-health rules (issue 18): each rule fires on a metrics stream built to trigger it
+and stays silent on a healthy one; two real runs (a learning rate of 1e-7 and the debug
+preset's own) check the trainer's wiring end to end.
+
+The crafted streams are the labelled reference: each is shaped like the trainer's records
+(docs/contracts.md) with one planted fault at a known step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from mindloom_train._config import ConfigError, from_dict
+from mindloom_train._health import RULES, HealthConfig, HealthMonitor
+from mindloom_train._metrics import MetricsWriter
+from train_testutil import base_config, events, read_metrics, run_config
+
+
+def healthy(step: int, **over) -> dict:
+    """A log record of a run that learns: loss decaying to 2, steady grad norm."""
+    rec = {
+        "step": step,
+        "loss": 2.0 + 4.0 * math.exp(-step / 150) + 0.01 * math.sin(step),
+        "loss_smoothed": 2.0 + 4.0 * math.exp(-step / 150),
+        "grad_norm": 0.8 + 0.1 * math.cos(step / 7),
+        "comm_share": 0.05,
+        "comm_share_ranks": [0.05, 0.06],
+        "data_wait_frac": 0.01,
+        "max_logits": [4.0 + 0.5 * math.sin(step / 30), 6.0],
+    }
+    rec.update(over)
+    return rec
+
+
+def feed(records: list[dict], **cfg) -> list[dict]:
+    mon = HealthMonitor(HealthConfig(**cfg))
+    out = []
+    for rec in records:
+        out.extend(mon.observe(rec)[1])
+    return out
+
+
+def stream(faults: dict | None = None, n: int = 400, every: int = 10) -> list[dict]:
+    """Log records every `every` steps; `faults` maps step -> fields replaced there."""
+    recs = []
+    for step in range(every, n + 1, every):
+        recs.append(healthy(step, **(faults or {}).get(step, {})))
+        if step % 100 == 0:
+            recs.append({"event": "eval", "step": step, "loss": 2.2 + 3.0 * math.exp(-step / 150)})
+    return recs
+
+
+def rules_of(evs: list[dict]) -> list[tuple[str, int]]:
+    return [(e["rule"], e["step"]) for e in evs]
+
+
+def test_a_healthy_stream_raises_nothing():
+    assert feed(stream()) == []
+
+
+def test_flat_or_rising_loss_over_the_first_steps():
+    flat = [healthy(s, loss=4.1589 + 0.001 * math.sin(s), loss_smoothed=4.159)
+            for s in range(10, 101, 10)]  # fmt: skip
+    assert rules_of(feed(flat)) == [("flat_loss", 50)]
+    rising = [healthy(s, loss=4.0 + s / 1000) for s in range(10, 101, 10)]
+    assert rules_of(feed(rising)) == [("flat_loss", 50)]
+    # a loss that fell 5% is not flat; a later plateau is not "the first N steps"
+    slow = [healthy(s, loss=4.0 * (1 - 0.001 * s)) for s in range(10, 101, 10)]
+    assert feed(slow) == []
+    barely = [healthy(s, loss=4.0 * (1 - 0.0002 * s)) for s in range(10, 101, 10)]  # 1% by 50
+    assert rules_of(feed(barely)) == [("flat_loss", 50)]
+    late = [healthy(s) for s in range(10, 200, 10)] + [
+        healthy(s, loss=2.5) for s in range(200, 400, 10)
+    ]
+    assert feed(late) == []
+    # a resumed run (first record after step N) has no baseline: no verdict
+    assert feed([healthy(s, loss=3.0) for s in range(500, 600, 10)]) == []
+
+
+def test_cliff_like_loss_drop():
+    recs = stream({250: {"loss": 1.0}})
+    evs = feed(recs)
+    assert rules_of(evs) == [("loss_cliff", 250)]
+    assert "fell from" in evs[0]["reason"] and "duplicated" in evs[0]["advice"]
+    # the fast early drop of every run is not a cliff
+    early = [
+        healthy(s, loss=x)
+        for s, x in zip(range(10, 90, 10), (10.4, 6.5, 5.8, 5.5, 5.3, 5.2, 5.1, 5.0))
+    ]
+    assert feed(early) == []
+
+
+def test_held_out_loss_rising_while_training_loss_falls():
+    recs = []
+    for step in range(10, 401, 10):
+        recs.append(healthy(step))
+        if step % 100 == 0:  # held-out loss rises from step 100 on
+            recs.append({"event": "eval", "step": step, "loss": 2.5 + step / 1000})
+    assert rules_of(feed(recs)) == [("eval_diverge", 300)]
+    # both rising (the whole run diverges) is another problem, not this one
+    both = []
+    for step in range(10, 401, 10):
+        both.append(healthy(step, loss_smoothed=2 + step / 100))
+        if step % 100 == 0:
+            both.append({"event": "eval", "step": step, "loss": 2.5 + step / 1000})
+    assert feed(both) == []
+
+
+def test_grad_norm_persistently_above_its_median():
+    spikes = {s: {"grad_norm": 9.0} for s in (200, 210, 220, 230)}
+    evs = feed(stream(spikes))
+    assert rules_of(evs) == [("grad_norm_high", 220)]
+    assert evs[0]["value"] == 9.0 and 4.0 < evs[0]["threshold"] < 5.0
+    # one spike (or two) is the anomaly guard's business, not "persistent"
+    assert feed(stream({200: {"grad_norm": 9.0}, 210: {"grad_norm": 9.0}})) == []
+
+
+def test_max_logits_growing_without_bound():
+    over = {s: {"max_logits": [4.0, 150.0]} for s in (300, 310)}
+    assert rules_of(feed(stream(over))) == [("max_logits", 300)]
+    growth = {s: {"max_logits": [3.0 * 1.2 ** ((s - 200) / 10)]} for s in range(200, 270, 10)}
+    evs = feed(stream(growth))
+    assert rules_of(evs) == [("max_logits", 250)]
+    assert "rose for 5 log records" in evs[0]["reason"]
+
+
+def test_communication_above_a_third_of_the_step():
+    slow = {s: {"comm_share_ranks": [0.2, 0.45]} for s in (100, 110, 120)}
+    evs = feed(stream(slow))
+    assert rules_of(evs) == [("comm_high", 110)]
+    assert "(rank 1)" in evs[0]["reason"] and "parallelism.tp" in evs[0]["advice"]
+    assert feed(stream({100: {"comm_share_ranks": [0.2, 0.45]}})) == []
+    # one rank (no per-rank list): the global share
+    one = [healthy(s, comm_share=0.5, comm_share_ranks=None) for s in (10, 20)]
+    assert rules_of(feed(one)) == [("comm_high", 20)]
+
+
+def test_data_wait_above_a_fraction():
+    waits = {s: {"data_wait_frac": 0.3} for s in (100, 110)}
+    assert rules_of(feed(stream(waits))) == [("data_wait", 110)]
+    assert rules_of(feed(stream(waits), data_wait=0.5)) == []
+
+
+def test_a_rule_fires_once_per_episode():
+    bad = {s: {"data_wait_frac": 0.3} for s in range(100, 200, 10)}
+    bad.update({s: {"data_wait_frac": 0.3} for s in (300, 310)})
+    assert rules_of(feed(stream(bad))) == [("data_wait", 110), ("data_wait", 310)]
+
+
+def test_the_writer_annotates_start_appends_events_and_logs(tmp_path):
+    lines = []
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer.health = HealthMonitor(HealthConfig(persist=1), lines.append)
+    writer.event("start", step=0, total_steps=10)
+    writer.write(healthy(10, data_wait_frac=0.9))
+    writer.close()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["event"] == "start" and recs[0]["health"]["data_wait"] == 0.1
+    assert recs[1]["step"] == 10 and "event" not in recs[1]
+    assert recs[2]["event"] == "health" and recs[2]["rule"] == "data_wait"
+    assert recs[2]["advice"] == RULES["data_wait"] and "time" in recs[2]
+    assert len(lines) == 1 and lines[0].startswith("health: step 10 data_wait: ")
+
+
+@pytest.mark.parametrize(
+    ("health", "msg"),
+    [
+        ({"cliff_drop": 2}, "monitor.health.cliff_drop: must be between 0 and 1, got 2"),
+        ({"flat_steps": 0}, "monitor.health.flat_steps: must be >= 1, got 0"),
+        ({"grad_factor": 0.5}, "monitor.health.grad_factor: must be > 1, got 0.5"),
+        ({"nope": 1}, "monitor.health.nope: unknown key"),
+    ],
+)
+def test_bad_health_settings_are_one_line_naming_the_key(health, msg):
+    with pytest.raises(ConfigError, match=msg.replace(".", r"\.").replace("(", r"\(")):
+        from_dict({"monitor": {"health": health}})
+
+
+# --- two real runs: the trainer writes and logs what the rules say -----------------------
+
+RUN = {"train_iters": 24, "eval_interval": 0}
+MON = {"log_interval": 2, "progress_bar": False, "peak_tflops": 0.1, "health": {"flat_steps": 20}}
+
+
+def test_a_learning_rate_of_1e7_is_flagged_as_flat_loss(prepared, tmp_path):
+    sched = {"lr": 1e-7, "min_lr": 1e-8, "warmup_iters": 2}
+    cfg = base_config(prepared, tmp_path, training=RUN, monitor=MON, lr_scheduler=sched)
+    assert run_config(cfg) == 0
+    evs = events(tmp_path, "health")
+    assert [(e["rule"], e["step"]) for e in evs] == [("flat_loss", 20)]
+    assert "health: step 20 flat_loss: loss" in (tmp_path / "train.log").read_text()
+    start = events(tmp_path, "start")[0]
+    assert start["health"]["flat_steps"] == 20
+
+
+def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
+    # with the in-graph numerics on: their fields reach every step record
+    cfg = base_config(prepared, tmp_path, training=RUN, monitor={**MON, "numerics": True})
+    assert run_config(cfg) == 0
+    assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
+    recs = [r for r in read_metrics(tmp_path) if "event" not in r]
+    assert len(recs) == 12
+    for key in ("grad_norm_layers", "param_norm_layers", "update_ratio_layers",
+                "adam_m_layers", "adam_sqrt_v_layers"):  # fmt: skip
+        assert all(len(r[key]) == 2 and all(math.isfinite(x) for x in r[key]) for r in recs), key
+    assert 0 < recs[-1]["update_ratio_layers"][0] < 0.1
