@@ -228,6 +228,90 @@ def test_graph_mode_step_equals_pynative_and_capacity_counts_drops():
     assert dropped >= moe_layers * 0.5 * tok.size * 2 - 3
 
 
+class _GradCell(ms.nn.Cell):
+    def __init__(self, net, params):
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.params = ms.ParameterTuple(params)
+        self.grad = ms.ops.GradOperation(get_by_list=True)
+
+    def construct(self, tokens, labels):
+        return self.net(tokens, labels), self.grad(self.net, self.params)(tokens, labels)
+
+
+def _torch_loss_and_grads(hf_dir, tok, labels, cfg):
+    """transformers' DeepseekV3ForCausalLM (torch autograd) on the same weights: the mean
+    CE of its logits and the gradients, renamed to our parameter names (its experts are
+    fused: gate_up_proj [E, 2Fm, D] = [w1; w3], down_proj [E, D, Fm] = w2)."""
+    from mindloom_model._hf_deepseek import deepseek_hf_names
+
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    hf.train()
+    logits = hf(torch.tensor(tok, dtype=torch.long)).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.tensor(labels, dtype=torch.long).reshape(-1)
+    )
+    loss.backward()
+    tg = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+    grads = {ours: tg[name] for ours, name in deepseek_hf_names(cfg, 0).items() if name in tg}
+    f = cfg.moe_intermediate_size
+    for i in range(cfg.first_k_dense_replace, cfg.num_layers):
+        gate_up = tg[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        grads[f"layers.{i}.mlp.experts.w1"] = gate_up[:, :f]
+        grads[f"layers.{i}.mlp.experts.w3"] = gate_up[:, f:]
+        grads[f"layers.{i}.mlp.experts.w2"] = tg[f"model.layers.{i}.mlp.experts.down_proj"]
+    return float(loss), grads
+
+
+def test_recompute_gives_the_loss_and_gradients_of_transformers(tmp_path, monkeypatch):
+    """recompute="full" in the compiled graph (every layer's forward rebuilt in the
+    backward, the MoE layers' tuple outputs included) and recompute="none" (PyNative)
+    both give transformers' loss and gradients on the same weights; the IR shows the
+    three layers recomputed."""
+    import re
+
+    cfg = get_preset("deepseek-v3-debug", num_nextn_predict_layers=0)  # HF has no MTP
+    model = DeepseekV3(cfg, seed=4)
+    save_hf(model, tmp_path / "hf")
+    tok = _tokens(cfg, 2, 16)
+    labels = np.roll(tok, -1, 1)
+    want_loss, want = _torch_loss_and_grads(tmp_path / "hf", tok, labels, cfg)
+    assert sorted(want) == sorted(p.name for p in model.trainable_params())
+
+    def loss_and_grads(net):
+        net.set_train(True)
+        params = net.trainable_params()
+        if ms.get_context("mode") == ms.PYNATIVE_MODE:
+            loss, grads = ms.value_and_grad(_LossOnly(net), None, params)(
+                ms.Tensor(tok), ms.Tensor(labels)
+            )
+        else:  # one compiled graph of forward and backward, as the train step builds
+            loss, grads = _GradCell(_LossOnly(net), params)(ms.Tensor(tok), ms.Tensor(labels))
+        return float(loss), {p.name: g.asnumpy() for p, g in zip(params, grads)}
+
+    got = {"none": loss_and_grads(DeepseekV3WithLoss(model))}
+    rc = DeepseekV3(get_preset("deepseek-v3-debug", num_nextn_predict_layers=0,
+                               recompute="full"), seed=4)  # fmt: skip
+    monkeypatch.setenv("MS_DEV_DUMP_IR_PASSES", "graph_build")  # only the final graph
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_context(save_graphs=1, save_graphs_path=str(tmp_path / "ir"))
+    try:
+        got["full"] = loss_and_grads(DeepseekV3WithLoss(rc))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
+    for mode, (loss, grads) in got.items():
+        assert loss == pytest.approx(want_loss, rel=1e-5), mode
+        assert sorted(grads) == sorted(want), mode
+        for name, g in grads.items():
+            np.testing.assert_allclose(
+                g, want[name], rtol=1e-3, atol=2e-6, err_msg=f"{mode} {name}"
+            )
+    assert np.abs(want["layers.1.mlp.gate.weight"]).sum() > 0  # the router is trained
+    ir = "".join(p.read_text(errors="ignore") for p in (tmp_path / "ir").rglob("graph_build*.ir"))
+    recomputed = re.findall(r"recompute_Default/\S*?layers-CellList/(\d+)-DecoderLayer", ir)
+    assert sorted(set(map(int, recomputed))) == [0, 1, 2]
+
+
 def test_published_deepseek_v3_sizes():
     cfg = get_preset("deepseek-v3-671b")
     total = deepseek_num_params(cfg, include_mtp=False)

@@ -218,6 +218,8 @@ def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
 
 
 def test_recompute_refuses_the_family_in_one_line(prepared, tmp_path):
+    # the compiled train step with a recomputed DeepSeek layer fails to build ("Graph
+    # cycle exists" in AccumStep), so the config is refused before anything runs
     from mindloom_train._config import ConfigError, from_dict
     from mindloom_train._modelcfg import build_model_config
 
@@ -225,6 +227,53 @@ def test_recompute_refuses_the_family_in_one_line(prepared, tmp_path):
     with pytest.raises(ConfigError, match=r"recompute.mode: 'full' is not supported") as exc:
         build_model_config(cfg, 65)
     assert "\n" not in str(exc.value)
-    # the same run without recompute builds
     cfg = from_dict(_config(prepared, tmp_path / "r"))
     assert build_model_config(cfg, 65).family == "deepseek_v3"
+
+
+def test_memory_estimate_counts_deepseek_recompute(prepared, tmp_path):
+    """On an accelerator a recomputed layer keeps only its input (plus one layer rebuilt
+    at a time); MindSpore's CPU graph keeps every intermediate, so there recompute adds."""
+    from mindloom_train._config import from_dict
+    from mindloom_train._memory import estimate
+
+    def acts(device, **recompute):
+        cfg = from_dict(_config(prepared, tmp_path / "m", recompute=recompute))
+        return estimate(cfg, device=device).components["activations"]
+
+    none, sel, full = (acts("910b", mode="none"), acts("910b", mode="selected", layers=[1, 2]),
+                       acts("910b", mode="full"))  # fmt: skip
+    assert full < sel < none
+    none, sel, full = (acts("cpu", mode="none"), acts("cpu", mode="selected", layers=[1, 2]),
+                       acts("cpu", mode="full"))  # fmt: skip
+    assert none < sel < full
+
+
+@pytest.mark.parametrize(
+    ("parallelism", "key"),
+    [({"dp": 1, "tp": 2}, "parallelism.tp: 2"), ({"pp": 2}, "parallelism.pp: 2"),
+     ({"dp": 2, "zero_stage": 1}, "parallelism.zero_stage: 1")],
+)  # fmt: skip
+def test_tp_pp_zero_refuse_the_family_in_one_line(prepared, tmp_path, parallelism, key):
+    from mindloom_train._config import ConfigError, from_dict
+    from mindloom_train._modelcfg import build_model_config
+
+    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism=parallelism))
+    with pytest.raises(ConfigError, match=rf"config key {key} is not supported for family "
+                       "deepseek_v3") as exc:  # fmt: skip
+        build_model_config(cfg, 65)
+    assert "\n" not in str(exc.value)
+    # the same run under plain data parallel builds
+    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism={"dp": 2}))
+    assert build_model_config(cfg, 65).family == "deepseek_v3"
+
+
+def test_launch_refuses_zero_for_the_family_before_any_worker(prepared, tmp_path):
+    run = tmp_path / "z"
+    path = tmp_path / "z.yaml"
+    path.write_text(yaml.safe_dump(_config(prepared, run, parallelism={"dp": 2, "zero_stage": 1})))
+    proc = run_cli("launch", "--nproc", "2", str(path))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config key parallelism.zero_stage: 1 is not supported for")
+    assert not (run / "msrun_logs").exists()

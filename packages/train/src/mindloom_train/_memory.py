@@ -534,7 +534,11 @@ def estimate(
                 else inv_dense
             )
             full = layer_activation_bytes(inv, b, s, tp, sp)
-            if i in recomputed:
+            if i in recomputed and cpu_graph:
+                # the CPU graph keeps every intermediate to the step's end: a recomputed
+                # layer's forward is kept twice, nothing is freed (Llama: op outputs below)
+                act += 2 * full
+            elif i in recomputed:
                 act += layer_activation_bytes(inv, b, s, tp, sp, "full")
                 recompute_work = max(recompute_work, full)  # rebuilt one layer at a time
             else:

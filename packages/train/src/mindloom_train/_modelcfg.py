@@ -75,12 +75,24 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         over["recompute"] = _RECOMPUTE[cfg.recompute.mode]
         over["recompute_layers"] = list(cfg.recompute.layers)
     over.setdefault("init_seed", cfg.seed)
-    if cfg.recompute.mode != "none" and over.get("family", _preset_family(cfg)) == "deepseek_v3":
-        # not verified for the MoE layers' tuple outputs under the compiled step yet
-        raise ConfigError(
-            f"config key recompute.mode: {cfg.recompute.mode!r} is not supported for family "
-            "deepseek_v3 yet; use 'none'"
-        )
+    if over.get("family", _preset_family(cfg)) == "deepseek_v3":
+        # the MoE layers run on the compiled data-parallel step only (expert parallelism
+        # and the PyNative tp/pp/ZeRO-1 engine are not wired for them): refused here, so
+        # `mindloom launch` stops before the tokenizer or any worker
+        if cfg.recompute.mode != "none":
+            # the model recomputes correctly (test_model_deepseek.py), but the train step
+            # with a recomputed layer fails to compile: "Graph cycle exists" in AccumStep
+            raise ConfigError(
+                f"config key recompute.mode: {cfg.recompute.mode!r} is not supported for "
+                "family deepseek_v3 yet (the compiled train step does not build); use 'none'"
+            )
+        p = cfg.parallelism
+        for key, value, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("zero_stage", p.zero_stage, 0)):
+            if value != off:
+                raise ConfigError(
+                    f"config key parallelism.{key}: {value} is not supported for family "
+                    f"deepseek_v3 (plain data parallel only); use {off}"
+                )
     try:
         preset = cfg.model.get("preset")
         mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
