@@ -251,7 +251,7 @@ def test_memory_estimate_counts_deepseek_recompute(prepared, tmp_path):
 
 @pytest.mark.parametrize(
     ("parallelism", "key"),
-    [({"dp": 1, "tp": 2}, "parallelism.tp: 2"), ({"pp": 2}, "parallelism.pp: 2"),
+    [({"dp": 1, "tp": 2}, "parallelism.tp: 2"), ({"pp": 2, "micro_batch_num": 2}, "parallelism.pp: 2"),
      ({"dp": 2, "zero_stage": 1}, "parallelism.zero_stage: 1")],
 )  # fmt: skip
 def test_tp_pp_zero_refuse_the_family_in_one_line(prepared, tmp_path, parallelism, key):
