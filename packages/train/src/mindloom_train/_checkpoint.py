@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from mindloom_train._errors import CheckpointError
+
 FORMAT = "mindloom-checkpoint"
 FORMAT_VERSION = 1
 TRACKER = "latest"
@@ -53,10 +55,6 @@ _ST_DTYPES = {
     "BOOL": np.bool_,
 }
 _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
 
 
 def check_tensor_names(expected: set[str], found: set[str], where: str) -> None:
