@@ -121,3 +121,11 @@ def test_train_itself_imports_no_mindspore_while_validating():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_public_name_resolves_and_nothing_private_is_exported():
+    import mindloom_train
+
+    for name in mindloom_train.__all__:
+        assert getattr(mindloom_train, name) is not None, name
+    assert not [n for n in mindloom_train.__all__ if n.startswith("_") and n != "__version__"]
