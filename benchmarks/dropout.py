@@ -45,7 +45,7 @@ def parse(argv):
 def bench_preset(name, batch, args):
     import mindspore as ms
     from mindloom_model import Llama, LlamaWithLoss, dropout_key, get_preset
-    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindloom_train import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
     seq = args.seq or get_preset(name).max_seq_len

@@ -94,7 +94,7 @@ def mindspore_models(args, tsb):
     import mindspore as ms
     from mindloom_model import DeepseekV3, DeepseekV3WithLoss, Llama, LlamaWithLoss, get_preset
     from mindloom_model._deepseek import MoE
-    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindloom_train import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor, nn
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)

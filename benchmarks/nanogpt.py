@@ -300,8 +300,7 @@ def gemm_floor(gemms, threads: int, reps: int = 30) -> tuple[float, float]:
 
 
 def roofline(threads: int) -> dict:
-    from mindloom_train._config import load_config
-    from mindloom_train._modelcfg import build_model_config
+    from mindloom_train import build_model_config, load_config
 
     cfg = build_model_config(load_config(RECIPE, []), 65)  # the recipe's model, 65 characters
     nano = step_gemms(128, 4, 4, [(128, 512), (512, 128)], 65, 12, 64)
@@ -318,8 +317,7 @@ def roofline(threads: int) -> dict:
 def run_mindloom(iters: int, threads: int, work: Path, t_launch: float, kernels: str) -> dict:
     import json
 
-    from mindloom_train._config import load_config
-    from mindloom_train._trainer import Trainer
+    from mindloom_train import Trainer, load_config
 
     overrides = [
         f"training.train_iters={iters}",
@@ -332,13 +330,13 @@ def run_mindloom(iters: int, threads: int, work: Path, t_launch: float, kernels:
     ]
     cfg = load_config(RECIPE, overrides)
     # tokenizer and data once, outside the timed part (nanoGPT's prepare.py is not timed)
-    from mindloom_train import _data
+    from mindloom_train import prepare_dataset, prepare_tokenizer, tokenizer_dir
 
     t_launch_prep = time.time()
-    _data.prepare_tokenizer(cfg, lambda m: None)
-    tok = _data.tokenizer_dir(cfg)
-    _data.prepare_dataset(cfg, cfg.train_dataset, "train", tok, lambda m: None)
-    _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", tok, lambda m: None)
+    prepare_tokenizer(cfg, lambda m: None)
+    tok = tokenizer_dir(cfg)
+    prepare_dataset(cfg, cfg.train_dataset, "train", tok, lambda m: None)
+    prepare_dataset(cfg, cfg.eval_dataset, "eval", tok, lambda m: None)
     t0_wall = time.time()
     trainer = Trainer(cfg, console=open(os.devnull, "w"))  # noqa: SIM115
     t0 = time.perf_counter()
@@ -370,7 +368,7 @@ def run_mindloom(iters: int, threads: int, work: Path, t_launch: float, kernels:
 def kernels_in_use(trainer, asked: str) -> str:
     from mindloom_model import Llama
 
-    model = next((c for _, c in trainer.__dict__.items() if isinstance(c, Llama)), None)
+    model = trainer.model if isinstance(trainer.model, Llama) else None
     fused = getattr(model, "loss_kernel", None) is not None if model is not None else None
     return f"model.kernels={asked}" + ("" if fused is None else f" (fused kernels in use: {fused})")
 

@@ -216,7 +216,7 @@ def _ms_train_step(cfg, data, kernels):
     """One compiled mindloom train step on `data`, as a no-argument callable -> loss."""
     import mindspore as ms
     from mindloom_model import Llama, LlamaWithLoss
-    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
+    from mindloom_train import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
     net = LlamaWithLoss(Llama(cfg))

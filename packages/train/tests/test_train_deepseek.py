@@ -204,7 +204,7 @@ def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
     assert "DeepseekV3ForCausalLM" in proc.stdout
 
     import torch
-    from mindloom_train._commands import load_model
+    from mindloom_train._generate import load_model
     from mindspore import Tensor
     from transformers import DeepseekV3ForCausalLM
 

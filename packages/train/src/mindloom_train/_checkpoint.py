@@ -31,6 +31,8 @@ from typing import Any
 import mindloom_model  # the safetensors codec; importing it loads no MindSpore
 import numpy as np
 
+from mindloom_train._errors import CheckpointError
+
 FORMAT = "mindloom-checkpoint"
 FORMAT_VERSION = 1
 TRACKER = "latest"
@@ -39,10 +41,6 @@ TRACKER_RE = re.compile(r"^\d+$")
 FILE_MODE = 0o640
 DIR_MODE = 0o750
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
 
 
 def check_tensor_names(expected: set[str], found: set[str], where: str) -> None:

@@ -113,11 +113,15 @@ def demo_config(run_dir: Path, text_input: str, quick: bool, minutes: float) -> 
 def run_demo(run_dir: Path, quick: bool = False, minutes: float = 3.0) -> int:
     from mindloom_data import bundled_corpus
 
-    from mindloom_train._checkpoint import read_tracker
-    from mindloom_train._commands import load_model, sample_text
-    from mindloom_train._config import dump_config, from_dict
-    from mindloom_train._data import tokenizer_dir
-    from mindloom_train._trainer import Trainer
+    from mindloom_train import (
+        Trainer,
+        dump_config,
+        from_dict,
+        load_model,
+        read_tracker,
+        sample_text,
+        tokenizer_dir,
+    )
 
     t_all = time.perf_counter()
     if run_dir.exists():

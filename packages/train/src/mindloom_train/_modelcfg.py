@@ -6,7 +6,9 @@ import dataclasses
 import typing
 from typing import Any
 
-from mindloom_train._config import MAX_ECHO, Config, ConfigError, _coerce, show
+from mindloom_train._errors import ConfigError
+from mindloom_train._parse import MAX_ECHO, _coerce, show
+from mindloom_train._schema import Config
 
 # Owned by other sections so that one knob never has two places.
 _ELSEWHERE = {

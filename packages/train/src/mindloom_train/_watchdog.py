@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-EXIT_HANG = 4
+from mindloom_train._errors import EXIT_HANG
 
 
 class StepWatchdog:

@@ -1,0 +1,340 @@
+"""One training step, two ways, chosen once per run.
+
+`CompiledRunner`: the compiled step of `_step.py` (one process, or plain data parallel with
+the gradient all-reduce inside the graph). `EngineRunner`: `_parallel.EngineStep`, the
+PyNative `ParallelEngine` under a tensor / pipeline / ZeRO-1 layout. Both also own the
+model state's way in and out of a checkpoint and their evaluation forward.
+
+The stop rule, the same for both: the loop acts on the `stop` and `time_up` of the
+`StepResult`, never on a flag only this rank has seen. With several ranks these are each
+rank's flags as it entered the step's collective, OR-ed over the ranks (so every rank saves,
+evaluates and leaves at the same step; a signal that arrives later is carried into the next
+step); with one rank there is nobody to agree with and they are read after the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from mindloom_train import _checkpoint as ck
+from mindloom_train._config import Config
+from mindloom_train._throughput import ThroughputWindow
+
+Flags = Callable[[], tuple[bool, bool]]  # this rank's (stop requested, time limit passed) now
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    gnorm: float
+    ok: bool  # the update was applied
+    stop: bool  # agreed: a stop signal reached some rank
+    time_up: bool  # agreed: some rank passed training.time_limit_s
+    comm_s: float = 0.0  # time in collectives, where the host can time them (the engine)
+    rank_step_s: float = 0.0
+
+
+@dataclass
+class StepInputs:
+    """What the loop hands a runner for one step."""
+
+    step: int  # the update being computed (1-based)
+    batches: Iterator[dict[str, np.ndarray]]  # the loader: grad_accum_steps micro-batches
+    hyper: Callable[..., Any]  # keyword overrides -> the step's hyper vector
+    flags: Flags
+    faults: dict[str, Any] = field(default_factory=dict)  # test-only hyper overrides
+
+
+class StepRunner(Protocol):
+    def step(self, inp: StepInputs) -> StepResult: ...
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> float: ...
+    def checkpoint_shards(self) -> tuple[dict, dict] | None: ...
+    def load(self, tensors: dict[str, np.ndarray], where: str) -> None: ...
+    def load_weights(self, tensors: dict[str, np.ndarray], where: str) -> None: ...
+    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]: ...
+    def extra_fields(self) -> dict[str, Any]: ...
+
+
+def tensors(batch: dict[str, np.ndarray]):
+    from mindspore import Tensor
+
+    return (
+        Tensor(batch["tokens"]),
+        Tensor(batch["labels"]),
+        Tensor(batch["position_ids"]),
+        Tensor(batch["segment_ids"]),
+        Tensor(batch["loss_mask"]),
+    )
+
+
+def load_params(params, arrays: dict[str, np.ndarray], where: str) -> None:
+    """Every parameter from `arrays`, by name, shapes checked; no other name allowed."""
+    import mindspore as ms
+
+    ck.check_tensor_names({p.name for p in params}, set(arrays), where)
+    for p in params:
+        arr = arrays[p.name]
+        if tuple(arr.shape) != tuple(p.shape):
+            raise ck.CheckpointError(
+                f"{where}: tensor {p.name!r} has shape {list(arr.shape)}, the model expects {list(p.shape)}"
+            )
+        p.set_data(ms.Tensor(arr, p.dtype))
+
+
+# The stop slot of the hyper vector is averaged over the data-parallel ranks inside the
+# compiled step. A stop signal adds 1 and a passed time limit adds 1 / (2 dp), so the mean
+# times dp is (ranks stopping) + (ranks out of time) / (2 dp): both are read back from it.
+def _encode_flags(stop: bool, time_up: bool, dp: int) -> float:
+    return (1.0 if stop else 0.0) + (0.5 / dp if time_up else 0.0)
+
+
+def _decode_flags(mean: float, dp: int) -> tuple[bool, bool]:
+    total = mean * dp
+    n_stop = math.floor(total + 0.25)
+    return n_stop > 0, total - n_stop > 0.25 / dp
+
+
+class CompiledRunner:
+    """`_step.TrainStep` (+ `AccumStep` for all but the last micro-batch), `EvalStep`."""
+
+    def __init__(self, built, cfg: Config, runtime, log: Callable[[str], None]):
+        import mindspore as ms
+
+        from mindloom_train import _step
+        from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
+
+        self.cfg, self.rt = cfg, runtime
+        self.model, self.mcfg = built.model, built.mcfg
+        self.params, self.buffers = built.params, built.buffers
+        self.accum = cfg.grad_accum_steps
+        p = cfg.parallelism
+        if runtime.groups is None and (p.tp > 1 or p.pp > 1 or p.dp > 1 or p.zero_stage):
+            log(
+                f"parallel: one process (no msrun); parallelism dp={p.dp} tp={p.tp} pp={p.pp} "
+                f"zero_stage={p.zero_stage} applies under `mindloom launch`"
+            )
+        weights = ms.ParameterTuple(self.params)
+        flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
+        grad_red = loss_red = eval_red = None
+        self.comm_probe, self._probe_grads, self._last_comm = None, None, None
+        dp_size = runtime.dp_size
+        if runtime.groups is not None and dp_size > 1:
+            from mindloom_parallel import GradReducer
+
+            dp = runtime.groups.dp
+            grad_red = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
+            loss_red = _step.MeanOver(dp.name, dp.size)
+            eval_red = _step.MeanOver(dp.name, dp.size)
+            # The step's all-reduce runs inside the compiled graph, where the host cannot
+            # time it; this probe is the same reducer (same buckets, group and bytes) in
+            # a graph of its own, timed at deterministic log steps (see comm_fields).
+            # Compiled and warmed up here, where every rank passes at the same time.
+            self.comm_probe = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
+            self._probe_grads = tuple(ms.Tensor(np.zeros(q.shape, np.float32)) for q in self.params)
+            self.comm_probe(self._probe_grads)[0].asnumpy()
+        self.moe_parts, self.moe_window = None, None
+        eval_net = built.loss_net
+        if isinstance(built.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
+            dp_name = runtime.groups.dp.name if runtime.groups is not None and dp_size > 1 else None
+            self.moe_parts = MoEStepParts(self.model, dp_name, dp_size)
+            self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
+                                        self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
+            eval_net = MoEEvalNet(self.model)
+        self.train_step = _step.TrainStep(
+            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
+            numerics=cfg.monitor.numerics)  # fmt: skip
+        # monitor.numerics: the step's last output, read by the metrics writer at log steps
+        self.numerics = _step.NumericsFields(weights) if cfg.monitor.numerics else None
+        self.accum_step = (
+            _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
+            if self.accum > 1
+            else None
+        )
+        self.eval_step = _step.EvalStep(eval_net, eval_red)
+
+    def _dropout_key(self, step: int, micro: int):
+        # masks are a function of (seed, step, micro-batch): a resume that restores the step
+        # redraws them exactly; each data-parallel rank gets its own micro-batch numbers
+        if not self.mcfg.dropout or self.mcfg.family != "llama":
+            return None  # DeepSeek-V3 still draws MindSpore's stateful dropout masks
+        from mindloom_model import dropout_key
+
+        return dropout_key(self.cfg.seed, step, self.rt.dp_rank * self.accum + micro)
+
+    def step(self, inp: StepInputs) -> StepResult:
+        from mindspore import Tensor
+
+        from mindloom_train._step import H_STOP
+
+        prev_sum = 0.0
+        for micro_i in range(self.accum - 1):
+            batch = next(inp.batches)
+            dkey = self._dropout_key(inp.step, micro_i)
+            out = self.accum_step(*tensors(batch), inp.hyper(), dkey)
+            prev_sum += float(out.asnumpy())
+        batch = next(inp.batches)
+        several = self.rt.world > 1
+        stop, time_up = inp.flags() if several else (False, False)
+        hyper = inp.hyper(**inp.faults, prev_loss_sum=prev_sum, n_micro=self.accum, stop=stop)
+        if several:  # both flags through the step's one all-reduce (see _encode_flags)
+            h = hyper.asnumpy().copy()
+            h[H_STOP] = _encode_flags(stop, time_up, self.rt.dp_size)
+            hyper = Tensor(h)
+        dkey = self._dropout_key(inp.step, self.accum - 1)
+        loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.train_step(*tensors(batch), hyper, dkey)
+        if self.numerics is not None:  # the last output; read at the log step only
+            *moe_t, self.numerics.rows = moe_t
+        if moe_t:
+            self.moe_window.add(moe_t[0].asnumpy())
+        loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
+        ok = bool(ok_t.asnumpy())
+        if several:
+            stop, time_up = _decode_flags(float(stop_t.asnumpy()), self.rt.dp_size)
+        else:
+            stop, time_up = inp.flags()
+        return StepResult(loss, gnorm, ok, stop, time_up)
+
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
+        return float(self.eval_step(*tensors(batch)).asnumpy())
+
+    def _model_arrays(self) -> dict[str, np.ndarray]:
+        import mindspore as ms
+
+        return {
+            p.name: p.astype(ms.float32).asnumpy() if p.dtype != ms.float32 else p.asnumpy()
+            for p in self.params + self.buffers
+        }
+
+    def checkpoint_shards(self) -> tuple[dict, dict] | None:
+        """(shards, metadata) on the rank that writes; None elsewhere (the data-parallel
+        replicas are identical, rank 0 writes them)."""
+        if self.rt.rank != 0:
+            return None
+        opt = {p.name: p.asnumpy() for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq)}
+        shards = {
+            ck.shard_name("model", 0, 1): self._model_arrays(),
+            ck.shard_name("optim", 0, 1): opt,
+        }
+        return shards, ck.default_metadata(shards, self.rt.world)
+
+    def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        opt_names = ("exp_avg.", "exp_avg_sq.")
+        weights = {k: v for k, v in arrays.items() if not k.startswith(opt_names)}
+        load_params(self.params + self.buffers, weights, where)
+        opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
+        load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
+
+    def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        load_params(self.params, arrays, where)
+
+    def extra_fields(self) -> dict[str, Any]:
+        if self.moe_parts is None:
+            return {}
+        from mindloom_train._moe import moe_bias_values
+
+        out = self.moe_window.fields(moe_bias_values(self.model))
+        self.moe_window.reset()
+        return out
+
+    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
+        """The compiled data-parallel step holds its all-reduce inside the graph, where it
+        cannot be timed; `comm_probe` (the same reducer on the same bytes, its own graph)
+        is timed instead, only at log steps every rank reaches (`probe`): a log forced by
+        a signal on one rank must not start a collective the others never join; such a
+        record repeats the last probe. One process: 0."""
+        if self.rt.world == 1:
+            return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
+                    "comm_share_ranks": [0.0]}  # fmt: skip
+        if self.comm_probe is None:
+            return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
+                    "comm_share_ranks": None}  # fmt: skip
+        if probe or self._last_comm is None:
+            self._last_comm = self._probe_comm(window)
+        return self._last_comm
+
+    def _probe_comm(self, window: ThroughputWindow) -> dict[str, Any]:
+        from mindloom_parallel import gather_rows
+
+        t0 = time.perf_counter()
+        self.comm_probe(self._probe_grads)[0].asnumpy()
+        comm = time.perf_counter() - t0
+        ranks = gather_rows([comm, window.mean_step_time()], self.rt.groups.world)
+        share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
+        return {
+            "comm_s": comm,
+            "comm_share": share[self.rt.rank],
+            "comm_s_ranks": [float(c) for c, _ in ranks],
+            "comm_share_ranks": share,
+        }
+
+
+class EngineRunner:
+    """`_parallel.EngineStep`: forward/backward through ParallelEngine, the update on the
+    host; it gathers loss, grad norm and both flags from every rank in one all-gather."""
+
+    def __init__(self, built, cfg: Config, runtime, log: Callable[[str], None]):
+        from mindloom_train._parallel import EngineStep
+
+        self.cfg, self.rt, self.mcfg = cfg, runtime, built.mcfg
+        self.accum = cfg.grad_accum_steps
+        self.par = EngineStep(built.model, cfg, runtime.pcfg, runtime.groups, log)
+
+    def step(self, inp: StepInputs) -> StepResult:
+        micro = [next(inp.batches) for _ in range(self.accum)]
+        stop, time_up = inp.flags()
+        hyper = inp.hyper(**inp.faults, n_micro=self.accum, stop=stop)
+        loss, gnorm, ok, stop_any, time_any = self.par.step(
+            micro, hyper.asnumpy(), stop=stop, time_up=time_up
+        )
+        if self.rt.world == 1:
+            stop_any, time_any = inp.flags()
+        m = self.par.rank_metrics
+        return StepResult(loss, gnorm, ok, stop_any, time_any, m["comm_s"], m["step_s"])
+
+    def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
+        return self.par.eval_loss(batch)
+
+    def checkpoint_shards(self) -> tuple[dict, dict] | None:
+        """Collective: every rank sends its shards, rank 0 writes them all."""
+        from mindloom_train._parallel import chunk_metadata
+
+        shards = self.par.gather_shards()
+        if self.rt.rank != 0:
+            return None
+        metadata = ck.default_metadata({}, self.rt.world)
+        metadata["tensors"], _ = chunk_metadata(self.mcfg, self.rt.pcfg, self.rt.world)
+        return shards, metadata
+
+    def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        self.par.load(arrays, where)
+
+    def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        self.par.load_weights(arrays)
+
+    def extra_fields(self) -> dict[str, Any]:
+        return {}
+
+    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
+        """Measured around each collective (the engine runs PyNative), this rank and every rank."""
+        steps = max(window.steps, 1)
+        ranks = self.par.gather_metrics(window.comm_s, window.rank_step_s)
+        share = [c / s if s > 0 else 0.0 for c, s in ranks]
+        return {
+            "comm_s": ranks[self.rt.rank][0] / steps,
+            "comm_share": share[self.rt.rank],
+            "comm_s_ranks": [c / steps for c, _ in ranks],
+            "comm_share_ranks": share,
+        }
+
+
+def make_runner(built, cfg: Config, runtime, log: Callable[[str], None]) -> StepRunner:
+    """The one place the step path is chosen."""
+    if runtime.use_engine:
+        return EngineRunner(built, cfg, runtime, log)
+    return CompiledRunner(built, cfg, runtime, log)

@@ -1,0 +1,27 @@
+"""The compiled data-parallel step agrees on stop and time-limit through the stop slot of its
+hyper vector, which the step averages over the ranks (`_step.MeanOver`: a float32 sum times
+1/dp). Every combination of ranks stopping and ranks out of time must decode to the OR of
+each flag over the ranks, as the engine's all-gather gives."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from mindloom_train._runner import _decode_flags, _encode_flags
+
+
+def test_every_combination_of_rank_flags_decodes_to_their_or():
+    for dp in (1, 2, 3, 4, 8, 16, 64):
+        combos = [(False, False), (True, False), (False, True), (True, True)]
+        # every assignment for small dp; for large dp, a spread of counts
+        if dp <= 4:
+            worlds = itertools.product(combos, repeat=dp)
+        else:
+            worlds = [[combos[(i * k) % 4] for i in range(dp)] for k in range(1, 9)]
+            worlds += [[(True, True)] * dp, [(False, True)] * dp, [(False, False)] * dp]
+        for flags in worlds:
+            codes = np.array([_encode_flags(s, t, dp) for s, t in flags], np.float32)
+            mean = np.float32(codes.sum(dtype=np.float32) * np.float32(1.0 / dp))
+            want = (any(s for s, _ in flags), any(t for _, t in flags))
+            assert _decode_flags(float(mean), dp) == want, (dp, flags)
