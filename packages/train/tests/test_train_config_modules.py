@@ -59,10 +59,12 @@ def test_train_modules_import_each_other_without_cycles():
 
 def test_config_layers_import_in_one_direction():
     graph = _import_graph()
-    assert graph["_schema"] <= {"_errors"}
+    # _health (the monitor.health settings and rules) is a leaf: stdlib only
+    assert not graph.get("_health")
+    assert graph["_schema"] <= {"_errors", "_health"}
     assert graph["_parse"] <= {"_errors"}
     assert graph["_modelcfg"] <= {"_errors", "_parse", "_schema"}
-    assert graph["_checks"] <= {"_errors", "_parse", "_schema", "_modelcfg"}
+    assert graph["_checks"] <= {"_errors", "_parse", "_schema", "_modelcfg", "_health"}
 
 
 def test_the_dead_shuffle_key_is_refused_naming_it():
