@@ -64,6 +64,9 @@ WEB_DEFAULTS: dict = {
         "accuracy": "low",
         "max_chars": 2000,
         "max_words": 32,  # of the non-CJK part, what lingua sees (its cost grows with it)
+        # the languages lingua weighs (plus the keep-list): "web" (the web's most common,
+        # _langid.WEB_LANGUAGES), "all" (every one lingua has) or a list of codes
+        "candidates": "web",
         "split_output": False,  # OUT/<language>/shard-NNNNN.parquet
     },
     "url_filter": {"enabled": True, "block_list": None},
@@ -112,6 +115,13 @@ def check_web_config(cfg: dict, files: list[str] | None = None) -> None:
             raise ValueError(f"language.{key} must be a positive integer, got {lang[key]!r}")
     if lang["accuracy"] not in ("low", "high"):
         raise ValueError(f"language.accuracy must be low or high, got {lang['accuracy']!r}")
+    cands = lang["candidates"]
+    if cands not in ("web", "all") and not (
+        isinstance(cands, list) and cands and all(isinstance(x, str) and x for x in cands)
+    ):
+        raise ValueError(
+            f"language.candidates must be web, all or a list of ISO 639-1 codes, got {cands!r}"
+        )
     if lang["split_output"] and not lang["enabled"]:
         raise ValueError("language.split_output needs language.enabled: true")
     if uf["block_list"] is not None:
@@ -131,6 +141,10 @@ def check_web_config(cfg: dict, files: list[str] | None = None) -> None:
         _require("ftfy")
     if lang["enabled"]:
         _require("lingua")
+        if isinstance(cands, list):
+            from mindloom_data._langid import candidate_languages
+
+            candidate_languages(cands, langs)  # a code lingua does not know: one line
 
 
 # --- readers ------------------------------------------------------------------------
@@ -209,8 +223,14 @@ class WebSteps:
         if lcfg["enabled"]:
             from mindloom_data._langid import LanguageIdentifier
 
-            self.lang = LanguageIdentifier(lcfg["accuracy"], lcfg["max_chars"], lcfg["max_words"])
             self.keep = list(lcfg["languages"])
+            self.lang = LanguageIdentifier(
+                lcfg["accuracy"],
+                lcfg["max_chars"],
+                lcfg["max_words"],
+                lcfg["candidates"],
+                self.keep,
+            )
             self.threshold = float(lcfg["threshold"])
         self.names = [
             name
