@@ -28,7 +28,7 @@ GOLDEN = {
     "removed/repeated_chars/shard-00000.jsonl": "bbff8064a8275af0",
     "removed/repetition/shard-00000.jsonl": "f00ad17e5e37cb6d",
     "removed/symbols/shard-00000.jsonl": "20da3546c1ceb7cf",
-    "report.json": "9823546640e82fab",
+    "report.json": "9a378899e883f5d2",  # + config language.candidates (web); rest unchanged
     "shard-00000.jsonl": "0984cc379c82b727",
     "shard-00000.parquet": "23091ae5aa791f44",
     "shard-00001.jsonl": "e3b0c44298fc1c14",

@@ -58,7 +58,7 @@ class TextInfo:
     def cjk_units(self) -> int:
         """How many units are CJK characters (0 for text without CJK)."""
         if self._cjk_units is None:
-            self._cjk_units = len(_CJK_CHAR.findall(self.text)) if self.cjk else 0
+            self._cjk_units = _count_cjk(self.raw) if self.cjk else 0
         return self._cjk_units
 
     @property
@@ -128,6 +128,19 @@ _RULE_HINTS = (
     "\u2015",
 )
 _BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
+# _CJK's ranges as [start, end) bounds: a code point is CJK when it falls after an odd
+# number of bounds (numpy over UTF-32 is ~20x a regex findall on CJK text).
+_CJK_BOUNDS = np.array(
+    [b for lo, hi in re.findall("(.)-(.)", _CJK) for b in (ord(lo), ord(hi) + 1)], np.uint32
+)
+
+
+def _count_cjk(raw: bytes) -> int:
+    """How many characters of a UTF-32-LE text are in `_CJK`."""
+    codes = np.frombuffer(raw, np.uint32)
+    return int(np.count_nonzero(np.searchsorted(_CJK_BOUNDS, codes, side="right") & 1))
 
 
 def _unit_arrays(units: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -128,8 +128,12 @@ class RepetitionFilter(Filter):
         if _may_have_rules(info.text) and _RULE_TOKEN.search(info.text):
             # Table borders and rules (`|`, `+-----+`, `│`) are layout, not words: left
             # out, so that a table's repeated borders are not its most common n-gram.
-            units = [u for u in units if u.translate(_RULE_DELETE)]
-            ids, lengths = _unit_arrays(units)
+            # (each distinct unit tested once: a page repeats its words, and translate
+            # on every unit was the filter's largest cost on web pages)
+            rules = {u for u in set(units) if not u.translate(_RULE_DELETE)}
+            if rules:
+                units = [u for u in units if u not in rules]
+                ids, lengths = _unit_arrays(units)
         scale = 1 + info.cjk_units / len(units) if info.cjk and units else 1
         # (name n, n in units, limit)
         top_all = [(n, round(n * scale), lim) for n, lim in sorted(self.top_ngram.items())]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from mindloom_data._filter_base import (
+    _CJK,
     _CJK_CHAR,
     _COMMAND_BLOCK,
     _COMMAND_START,
@@ -221,11 +222,14 @@ def _alpha_counts(text: str, info: TextInfo) -> tuple[int, int]:
         alpha = t.count(b" a") + (t[:1] == b"a")
         return alpha, words - alpha
     cjk = info.cjk_units
-    rest = _CJK_CHAR.sub(" ", text) if cjk else text
+    # the words between CJK characters and whitespace, joined by spaces: the same words as
+    # the text with its CJK characters made spaces, in a shorter string
+    rest = " ".join(_NON_CJK_RUN.findall(text)) if cjk else text
     alpha = len(_WORD_WITH_LETTER.findall(rest))
     return cjk + alpha, len(_WORD_WITH_ALNUM.findall(rest)) - alpha
 
 
+_NON_CJK_RUN = re.compile(f"[^\\s{_CJK}]+")
 # One match per whitespace-separated word that has a letter (or a letter or digit).
 _WORD_WITH_LETTER = re.compile("\\S*?[^\\W\\d_]\\S*")
 _WORD_WITH_ALNUM = re.compile("\\S*?[^\\W_]\\S*")
