@@ -34,15 +34,40 @@ import functools
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["WEB_LANGUAGES", "LanguageIdentifier", "LanguageResult"]
 
 _HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
 _KANA = r"\u3040-\u30ff\u31f0-\u31ff"
 _HANGUL = r"\uac00-\ud7af\u1100-\u11ff\u3130-\u318f"
-_CJK = re.compile(f"[{_HAN}{_KANA}{_HANGUL}]")
-_KANA_RE = re.compile(f"[{_KANA}]")
-_HANGUL_RE = re.compile(f"[{_HANGUL}]")
-_WORD = re.compile(r"[^\W\d_]{2,}")
+# A word: two or more letters, not CJK (CJK characters separate words, like spaces)
+_LATIN_WORD = re.compile(f"[^\\W\\d_{_HAN}{_KANA}{_HANGUL}]{{2,}}")
+
+
+def _bounds(ranges: str) -> np.ndarray:
+    """A regex class's ranges as sorted [start, end) code-point bounds."""
+    pairs = re.findall("(.)-(.)", ranges.encode().decode("unicode_escape"))
+    return np.array(sorted(b for lo, hi in pairs for b in (ord(lo), ord(hi) + 1)), np.uint32)
+
+
+_CJK_BOUNDS, _KANA_BOUNDS, _HANGUL_BOUNDS = (
+    _bounds(_HAN + _KANA + _HANGUL),
+    _bounds(_KANA),
+    _bounds(_HANGUL),
+)
+
+
+def _script_counts(sample: str) -> tuple[int, int, int]:
+    """(CJK, kana, Hangul) characters of `sample`: numpy over its code points, ~10x the
+    regex findall it replaces on a Chinese page."""
+    if sample.isascii():
+        return 0, 0, 0
+    codes = np.frombuffer(sample.encode("utf-32-le", "surrogatepass"), np.uint32)
+    return tuple(
+        int(np.count_nonzero(np.searchsorted(b, codes, side="right") & 1))
+        for b in (_CJK_BOUNDS, _KANA_BOUNDS, _HANGUL_BOUNDS)
+    )
 # Below this many letters the Latin part says too little to be worth lingua's time.
 _MIN_LATIN_LETTERS = 12
 
@@ -130,19 +155,19 @@ class LanguageIdentifier:
 
     def identify(self, text: str) -> LanguageResult:
         sample = text[: self.max_chars]
-        cjk = _CJK.findall(sample)
-        latin = _CJK.sub(" ", sample) if cjk else sample
-        words = _WORD.findall(latin)
-        letters = sum(len(w) for w in words)
-        n_cjk, n_words = len(cjk), len(words) if letters >= _MIN_LATIN_LETTERS else 0
+        n_cjk, kana, hangul = _script_counts(sample)
+        words = _LATIN_WORD.findall(sample)
+        letters = 0
+        for w in words:  # only whether there are enough
+            letters += len(w)
+            if letters >= _MIN_LATIN_LETTERS:
+                break
+        n_words = len(words) if letters >= _MIN_LATIN_LETTERS else 0
         total = n_cjk + n_words
         if total == 0:
             return LanguageResult("unknown", 0.0, {})
         scores: dict[str, float] = {}
         if n_cjk:
-            joined = "".join(cjk)
-            kana = len(_KANA_RE.findall(joined))
-            hangul = len(_HANGUL_RE.findall(joined))
             lang = "ko" if hangul > n_cjk / 2 else "ja" if kana >= max(1, n_cjk // 20) else "zh"
             scores[lang] = n_cjk / total
         if n_words:
