@@ -222,12 +222,13 @@ def test_mojibake_is_repaired_not_removed(tmp_path):
     assert [r["text"] for r in rows] == [g.strip() for g in good]
 
 
-@pytest.mark.parametrize("max_words", [32, 10**6])
-def test_language_id_on_the_labeled_set(max_words):
-    # lingua sees only the first `max_words` non-CJK words: the labels must not depend on it
+@pytest.mark.parametrize(("max_words", "candidates"), [(32, "web"), (10**6, "web"), (32, "all")])
+def test_language_id_on_the_labeled_set(max_words, candidates):
+    # lingua sees only the first `max_words` non-CJK words and weighs the web's common
+    # languages by default: the labels must depend on neither
     from mindloom_data._langid import LanguageIdentifier
 
-    lid = LanguageIdentifier(max_words=max_words)
+    lid = LanguageIdentifier(max_words=max_words, candidates=candidates)
     for label, text in LABELED:
         res = lid.identify(text)
         if label == "zh+en":
