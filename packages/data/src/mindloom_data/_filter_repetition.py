@@ -130,7 +130,7 @@ class RepetitionFilter(Filter):
             # out, so that a table's repeated borders are not its most common n-gram.
             # (each distinct unit tested once: a page repeats its words, and translate
             # on every unit was the filter's largest cost on web pages)
-            rules = {u for u in set(units) if not u.translate(_RULE_DELETE)}
+            rules = {u for u in set(units) if u[0] in _RULE_SET and not u.translate(_RULE_DELETE)}
             if rules:
                 units = [u for u in units if u not in rules]
                 ids, lengths = _unit_arrays(units)
@@ -218,6 +218,7 @@ class RepetitionFilter(Filter):
         return None
 
 
+_RULE_SET = frozenset(map(chr, _RULE_DELETE))  # a rule-only unit starts with one
 _SHORT = 400  # units; measured: the no-repeat test pays off below, not in ~1,000-unit texts
 
 

@@ -68,6 +68,8 @@ def _script_counts(sample: str) -> tuple[int, int, int]:
         int(np.count_nonzero(np.searchsorted(b, codes, side="right") & 1))
         for b in (_CJK_BOUNDS, _KANA_BOUNDS, _HANGUL_BOUNDS)
     )
+
+
 # Below this many letters the Latin part says too little to be worth lingua's time.
 _MIN_LATIN_LETTERS = 12
 
