@@ -119,3 +119,23 @@ def test_language_candidates_config_is_checked_in_one_line(tmp_path):
         with pytest.raises((CleanError, ValueError), match=message) as err:
             clean(src, tmp_path / "out", config=cfg, progress=False)
         assert "\n" not in str(err.value)
+
+
+def test_table_rules_are_left_out_of_the_ngram_statistics():
+    # The repetition filter drops rule-only units (`|`, `+------+`) from its n-gram counts,
+    # now tested once per distinct unit: a manual's table must not be its top n-gram.
+    from mindloom_data._filter_base import TextInfo
+    from mindloom_data._filter_repetition import RepetitionFilter
+
+    rng = random.Random(0)
+    words = "river valley flood spring farmers snow water mountain village study".split()
+    words += [f"w{i}" for i in range(300)]
+    prose = " ".join(rng.choice(words) for _ in range(120))
+    rows = "\n".join(
+        f"| {rng.choice(words)} | {rng.randint(0, 999)} |\n+------+------+" for _ in range(40)
+    )
+    table = prose + "\n\n" + rows
+    assert RepetitionFilter().check(table, TextInfo(table)) is None
+    # the same words with the rules drawn in letters are a repeated 2-gram
+    lettered = table.replace("|", "ab").replace("+------+------+", "border line here")
+    assert RepetitionFilter().check(lettered, TextInfo(lettered)) == "top_2gram"
