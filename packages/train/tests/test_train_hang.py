@@ -79,7 +79,10 @@ def jobs(prepared, tmp_path_factory) -> dict:
                        HANG_NODE_TIMEOUT, "hang@3:1"),
         "kill": _start(kill_cfg, root / "kill.yaml", NODE_TIMEOUT, "await_stop@3"),
     }  # fmt: skip
-    logs = {"hang": hang / "msrun_logs", "kill": kill / "msrun_logs", "relaunch": kill / "msrun_logs"}
+    logs = {
+        name: run / "msrun_logs"
+        for name, run in (("hang", hang), ("kill", kill), ("relaunch", kill))
+    }
     out: dict = {"hang": hang, "kill": kill}
     try:
         t0 = time.monotonic()
