@@ -1,6 +1,6 @@
 """Every layout trains the same model as one process (real msrun, CPU backend).
 
-Two launches, started together, every layout check shares them:
+Two launches, every layout check shares them:
 - one 2-worker launch runs dp2 (+ZeRO-1, 2 micro-batches), dp2 with plain SGD (one
   micro-batch), tp2, tp2+sp, pp2 (4 micro-batches, 1F1B), pp2 with tied embeddings and
   dp2 with the GradReducer inside a compiled (@jit) step, one after another;
@@ -112,45 +112,13 @@ def _launch_two_nodes(out: Path, name: str, layouts: list[str], nproc_per_node: 
 
 
 @pytest.fixture(scope="module")
-def launches(out, reference):
-    """Both launches at once (and the reference meanwhile): their MindSpore imports, the
-    rendezvous and msrun's polling overlap instead of adding up."""
-    results = {}
-
-    def run(name, fn, *args):
-        try:
-            results[name] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - raised by the fixture that needs it
-            results[name] = e
-
-    threads = [
-        threading.Thread(target=run, args=("two", _launch, out, "two", TWO_WORKER_LAYOUTS, 2)),
-        threading.Thread(
-            target=run, args=("four", _launch_two_nodes, out, "four", FOUR_WORKER_LAYOUTS, 2)
-        ),
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
-
-
-def _result(launches, name: str) -> dict:
-    got = launches[name]
-    if isinstance(got, BaseException):
-        raise got
-    return got
+def two_workers(out, reference):
+    return _launch(out, "two", TWO_WORKER_LAYOUTS, 2)
 
 
 @pytest.fixture(scope="module")
-def two_workers(launches):
-    return _result(launches, "two")
-
-
-@pytest.fixture(scope="module")
-def four_workers(launches):
-    return _result(launches, "four")
+def four_workers(out, reference):
+    return _launch_two_nodes(out, "four", FOUR_WORKER_LAYOUTS, 2)
 
 
 def _check(layout: str, results: dict, ref: dict, run_dir: Path):
