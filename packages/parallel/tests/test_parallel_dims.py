@@ -2,7 +2,7 @@
 
 BAD_LAYOUTS is the table of refused layouts and their exact one-line messages; train's
 config check gives the same message behind its "config parallelism: " prefix
-(packages/train/tests/test_train_parallel_dims.py holds the same table)."""
+(packages/train/tests/test_train_parallel_dims.py reads this table from here)."""
 
 from __future__ import annotations
 

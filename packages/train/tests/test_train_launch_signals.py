@@ -1,18 +1,19 @@
 """Signals to `mindloom launch` (issue 23 item 2; reliability tests 14 and 15).
 
-Real msrun, 2 CPU workers, plain data parallel; three launches at once (their start-up
-overlaps), each waiting at a known step through the test-only `await_stop` fault so no
-check depends on timing luck:
+Real msrun, 2 CPU workers, plain data parallel, a one-layer model, 4 steps; three launches
+at once (their start-up overlaps), each waiting at a known step through the test-only
+`await_stop` fault so no check depends on timing luck:
 
 - A: uninterrupted, the reference.
-- B: at step 3 the test sends SIGTERM to the launcher's process group (as a shell or a
-  scheduler does). Every rank stops at step 3, step 3 is a complete checkpoint, the
+- B: at step 2 the test sends SIGTERM to the launcher's process group (as a shell or a
+  scheduler does). Every rank stops at step 2, step 2 is a complete checkpoint, the
   launcher exits 0 within the stop budget, and no msrun, scheduler, worker or log tail is
   left. A second launch into B's run directory while B lives is refused (the run lock). The
-  relaunch resumes and its steps 4-6 equal A's bit for bit. Before B starts, an interrupted
+  relaunch resumes and its steps 3-4 equal A's bit for bit. Before B starts, an interrupted
   save of an "earlier run" is planted: B removes it at start.
-- C: at step 2 the launcher is SIGKILLed: msrun, its scheduler and the workers all end
-  (parent-death signals), and the run lock is free again.
+- C: at step 1 (before its graph compiles: nothing of C's check needs a step) the
+  launcher is SIGKILLed: msrun, its scheduler and the workers all end (parent-death
+  signals), and the run lock is free again.
 
 Before the fix, B's SIGTERM killed only the launcher (msrun and the workers ran on, in
 sessions of their own) and C's workers trained on to the end.
@@ -31,15 +32,23 @@ import pytest
 import yaml
 from mindloom_train._checkpoint import read_tracker, step_dirname
 from mindloom_train._faults import AWAIT_MARKER
-from train_testutil import SCHED, base_config, events, run_cli, start_launch, step_records
+from train_testutil import (
+    SCHED,
+    TINY_MODEL,
+    base_config,
+    events,
+    run_cli,
+    start_launch,
+    step_records,
+)
 
-STEPS = 6
-STOP_STEP = 3
+STEPS = 4
+STOP_STEP = 2
 STOP_BUDGET_S = 180  # SIGTERM -> every process of the job gone (the documented grace is 300 s)
 
 
 def _config(prepared, run: Path) -> dict:
-    return base_config(prepared, run, lr_scheduler=SCHED,
+    return base_config(prepared, run, model=TINY_MODEL, lr_scheduler=SCHED,
                        training={"train_iters": STEPS, "micro_batch_size": 2},
                        parallelism={"dp": 2}, checkpoint={"save_interval": 0})  # fmt: skip
 
@@ -104,7 +113,7 @@ def jobs(prepared, tmp_path_factory) -> dict:
     procs = {
         "a": _start(_config(prepared, runs["a"]), configs["a"]),
         "b": _start(_config(prepared, runs["b"]), configs["b"], f"await_stop@{STOP_STEP}"),
-        "c": _start(_config(prepared, runs["c"]), configs["c"], "await_stop@2"),
+        "c": _start(_config(prepared, runs["c"]), configs["c"], "await_stop@1"),
     }
     out: dict = {"runs": runs, "configs": configs}
     try:
@@ -137,7 +146,7 @@ def jobs(prepared, tmp_path_factory) -> dict:
         )
         out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
         out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
-        # B's relaunch: resumes from step 3 and finishes (started while A still runs, so
+        # B's relaunch: resumes from step 2 and finishes (started while A still runs, so
         # its start-up overlaps A's last steps)
         procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
         _, err = procs["a"].communicate(timeout=900)

@@ -1,40 +1,44 @@
 """The `parallelism` section is refused by mindloom_parallel's rules with mindloom_parallel's
 message, whether train's config check, `mindloom launch` or a worker catches it: one
-table, one message per bad layout (the same table as the parallel package's
-test_parallel_dims.py), here through `load_config`, the path every train command takes."""
+table of bad layouts, BAD_LAYOUTS of the parallel package's test_parallel_dims.py (which
+also pins each exact line), read from there; here each line is derived from ParallelDims
+itself and must come out of `load_config`, the path every train command takes, behind the
+"config parallelism: " prefix."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import yaml
 
-BAD_LAYOUTS = [
-    ({"dp": 2}, 12, 4,
-     "training.global_batch_size = 12 is not divisible by parallelism.dp * "
-     "training.micro_batch_size = 2 * 4 = 8"),
-    ({"dp": 2, "micro_batch_num": 2}, 8, 4,
-     "training.global_batch_size = 8 != parallelism.dp * training.micro_batch_size * "
-     "parallelism.micro_batch_num = 2 * 4 * 2 = 16"),
-    ({"pp": 2}, 8, 2,
-     "training.global_batch_size = 8 != parallelism.dp * training.micro_batch_size * "
-     "parallelism.micro_batch_num = 1 * 2 * 1 = 2"),
-    ({"dp": 0}, 8, 8, "parallelism.dp = 0: must be an integer >= 1"),
-    ({"micro_batch_num": 0}, 8, 8, "parallelism.micro_batch_num = 0: must be an integer >= 1"),
-    ({"zero_stage": 2}, 8, 8,
-     "parallelism.zero_stage = 2: only 0 (off) and 1 (optimizer state) exist"),
-    ({"sequence_parallel": True}, 8, 8,
-     "parallelism.sequence_parallel = true needs tp > 1 (tp = 1): it splits the sequence "
-     "over the tensor-parallel group"),
-    ({"bucket_size_mb": -1.5}, 8, 8, "parallelism.bucket_size_mb = -1.5: must be a number > 0"),
-]  # fmt: skip
+_DIMS_TESTS = Path(__file__).resolve().parents[2] / "parallel" / "tests" / "test_parallel_dims.py"
 
 
-@pytest.mark.parametrize("section, gbs, mbs, message", BAD_LAYOUTS)
-def test_train_config_refuses_a_layout_with_parallels_message(tmp_path, section, gbs, mbs,
-                                                              message):  # fmt: skip
+def _bad_layouts() -> list:
+    spec = importlib.util.spec_from_file_location("parallel_test_parallel_dims", _DIMS_TESTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [(section, gbs, mbs) for section, gbs, mbs, _ in module.BAD_LAYOUTS]
+
+
+BAD_LAYOUTS = _bad_layouts()
+
+
+def test_the_table_is_the_parallel_packages():
+    assert len(BAD_LAYOUTS) == 8  # every row of the parallel package's table is read
+
+
+@pytest.mark.parametrize("section, gbs, mbs", BAD_LAYOUTS)
+def test_train_config_refuses_a_layout_with_parallels_message(tmp_path, section, gbs, mbs):
     from mindloom_parallel import ParallelConfigError, ParallelDims
     from mindloom_train._config import ConfigError, load_config
 
+    with pytest.raises(ParallelConfigError) as parallel_err:
+        ParallelDims.from_section(section).check(global_batch_size=gbs, micro_batch_size=mbs)
+    message = str(parallel_err.value)
+    assert message.startswith("parallelism.") or message.startswith("training.")
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({
         "parallelism": section,
@@ -43,7 +47,4 @@ def test_train_config_refuses_a_layout_with_parallels_message(tmp_path, section,
     }))  # fmt: skip
     with pytest.raises(ConfigError) as train_err:
         load_config(path, check_model=False)
-    with pytest.raises(ParallelConfigError) as parallel_err:
-        ParallelDims.from_section(section).check(global_batch_size=gbs, micro_batch_size=mbs)
     assert str(train_err.value) == f"config parallelism: {message}"
-    assert str(parallel_err.value) == message

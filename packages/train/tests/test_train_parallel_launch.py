@@ -25,7 +25,6 @@ from train_testutil import (
     stop_launches,
     wait_launches,
 )
-from train_testutil import kill_msrun as _kill_msrun  # noqa: F401 - test_train_hang imports it
 from train_testutil import start_launch as _launch
 
 STEPS = 4

@@ -130,3 +130,39 @@ def stop_launches(procs: dict[str, subprocess.Popen], log_dirs: dict[str, Path])
             kill_msrun(log_dirs[name])
             proc.kill()
             proc.communicate()
+
+
+# A model whose size no launch or fault claim depends on: one layer, hidden 32, the
+# 65-character vocabulary. Its graph compiles in a fraction of the debug preset's time.
+TINY_MODEL = {"preset": "debug", "vocab_size": None, "num_layers": 1, "hidden_size": 32,
+              "ffn_hidden_size": 64}  # fmt: skip
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    """Poll `predicate` until it returns a true value (returned) or `timeout_s` passes
+    (AssertionError naming `what`): a test acts on an observed event, never on a sleep."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not observed within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def worker_pid(log_dir: Path, rank: int) -> int | None:
+    """The pid a `mindloom launch` worker printed at its start into log_dir/worker_<rank>.log."""
+    for line in log_text(Path(log_dir) / f"worker_{rank}.log").splitlines():
+        if line.startswith("mindloom worker pid "):  # mindloom_parallel.guard_worker's line
+            return int(line.split()[-1])
+    return None
+
+
+def log_text(path: Path) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
