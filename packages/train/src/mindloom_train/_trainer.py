@@ -114,7 +114,7 @@ class Trainer:
 
         cfg, data = self.cfg, self.data
         check_precision(cfg)  # settings that cannot train: one line, exit 2
-        if not cfg.model.get("init_from_hf"):  # before anything is allocated (exit 2)
+        if not cfg.model.init_from_hf:  # before anything is allocated (exit 2)
             self.memory_estimate = preflight(cfg, data.tok.vocab_size, self.rt.world, self.log)
         self.built = build_model(cfg, self.rt, data.tok.vocab_size, self.log)
         # every token id against the model's vocabulary, before step 1 (exit 2 if not)
