@@ -137,29 +137,11 @@ def train_tokenizer(
         "num_threads": num_threads,
     }
     t1 = time.monotonic()
-    if model_type == "char":
-        backend = build_char_model(
-            corpus, vocab_size, coverage, specials, list(control_symbols), user_defined_symbols
-        )
-        say(f"char vocabulary: {len(backend)} ids from {len(corpus)} distinct characters")
-        options = {"character_coverage": coverage}
-        payload = None
-    else:
-        backend = None
-        say(f"training SentencePiece {model_type}, vocab_size={vocab_size:,} ...")
-        payload = train_sentencepiece(
-            corpus,
-            model_type=model_type,
-            vocab_size=vocab_size,
-            seed=seed,
-            specials=specials,
-            control_symbols=list(control_symbols),
-            user_defined_symbols=list(user_defined_symbols),
-            options=options,
-            verbose=verbose,
-            say=say,
-        )
-        del corpus
+    payload, backend, options = _build_vocabulary(
+        corpus, model_type, vocab_size, seed, specials, control_symbols, user_defined_symbols,
+        options, verbose, say,
+    )  # fmt: skip
+    del corpus
     train_s = time.monotonic() - t1
 
     digest = _write_model(out_dir, payload, backend)
@@ -267,6 +249,33 @@ def _report_read(stats, sample_stats, model_type, read_s, input_sentence_size,
                 f"skipped {sample_stats['skipped_too_long']} too long sentences "
                 f"(longer than max_sentence_length={max_sentence_length} bytes)"
             )
+
+
+def _build_vocabulary(corpus, model_type, vocab_size, seed, specials, control_symbols,
+                      user_defined_symbols, options, verbose, say):  # fmt: skip
+    """-> (SentencePiece's model bytes or None, the char model or None, the options the
+    metadata records)."""
+    if model_type == "char":
+        coverage = options["character_coverage"]
+        backend = build_char_model(
+            corpus, vocab_size, coverage, specials, list(control_symbols), user_defined_symbols
+        )
+        say(f"char vocabulary: {len(backend)} ids from {len(corpus)} distinct characters")
+        return None, backend, {"character_coverage": coverage}
+    say(f"training SentencePiece {model_type}, vocab_size={vocab_size:,} ...")
+    payload = train_sentencepiece(
+        corpus,
+        model_type=model_type,
+        vocab_size=vocab_size,
+        seed=seed,
+        specials=specials,
+        control_symbols=list(control_symbols),
+        user_defined_symbols=list(user_defined_symbols),
+        options=options,
+        verbose=verbose,
+        say=say,
+    )
+    return payload, None, options
 
 
 def _write_model(out_dir: str, payload: bytes | None, backend) -> str:
