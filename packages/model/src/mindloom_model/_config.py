@@ -118,10 +118,9 @@ class ModelConfig:
             bad(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
         if self.family == "llama" and self.head_dim % 2:
             bad(f"head_dim={self.head_dim} (hidden_size/num_heads) must be even for RoPE")
-        if self.param_dtype not in DTYPE_NAMES:
-            bad(f"param_dtype must be one of {list(DTYPE_NAMES)}, found {self.param_dtype!r}")
-        if self.compute_dtype not in DTYPE_NAMES:
-            bad(f"compute_dtype must be one of {list(DTYPE_NAMES)}, found {self.compute_dtype!r}")
+        for key in ("param_dtype", "compute_dtype"):
+            if getattr(self, key) not in DTYPE_NAMES:
+                bad(f"{key} must be one of {list(DTYPE_NAMES)}, found {getattr(self, key)!r}")
         if not 0.0 <= self.dropout < 1.0:
             bad(f"dropout must be in [0, 1), found {self.dropout!r}")
         if self.recompute not in ("none", "full", "selected"):
@@ -187,6 +186,20 @@ class ModelConfig:
         return 6.0 * n_matmul + 12.0 * self.num_layers * self.num_heads * self.head_dim * s
 
 
+# what the two CPU-sized DeepSeek-V3 presets share (routing and MTP as the published
+# model, scaled down): they differ only in sizes
+_DEEPSEEK_CPU = dict(
+    family="deepseek_v3",
+    rms_norm_eps=1e-6,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+)
+
 _PRESETS = {
     # runs in seconds on CPU; GQA on so the tests exercise it
     "debug": dict(
@@ -239,53 +252,37 @@ _PRESETS = {
     # ---- the DeepSeek-V3 family (see _deepseek.py)
     # a few hundred thousand parameters: trains in seconds on the CPU
     "deepseek-v3-debug": dict(
-        family="deepseek_v3",
+        **_DEEPSEEK_CPU,
         vocab_size=256,
         hidden_size=64,
         num_layers=3,
         num_heads=4,
         ffn_hidden_size=128,
         max_seq_len=32,
-        rms_norm_eps=1e-6,
         q_lora_rank=32,
         kv_lora_rank=32,
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=16,
         n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=1,
     ),
     # ~25M parameters in all, ~6M active per token: the CPU demo size
     "deepseek-v3-small": dict(
-        family="deepseek_v3",
+        **_DEEPSEEK_CPU,
         vocab_size=8000,
         hidden_size=256,
         num_layers=6,
         num_heads=8,
         ffn_hidden_size=1024,
         max_seq_len=256,
-        rms_norm_eps=1e-6,
         q_lora_rank=128,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
         n_routed_experts=16,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
         moe_intermediate_size=256,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=1,
     ),
     # the published DeepSeek-V3 (671B + the 14B MTP module): for accounting and memory
     # estimates; never instantiated here

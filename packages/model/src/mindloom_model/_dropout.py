@@ -80,8 +80,8 @@ class CounterDropout(nn.Cell):
     """Dropout whose mask is a hash of ``key`` (see ``dropout_key``), ``site`` and the index.
 
     ``construct(x, key=None)``: in inference mode the identity; in training mode with a key,
-    the counter-based mask; without a key (e.g. the PyNative parallel engine, which does not
-    thread one) MindSpore's stateful dropout, as before, which does not resume bit-exactly.
+    the counter-based mask; without a key (the DeepSeek-V3 family, a caller that passes
+    none) MindSpore's stateful dropout, as before, which does not resume bit-exactly.
     """
 
     def __init__(self, p: float, site: int):

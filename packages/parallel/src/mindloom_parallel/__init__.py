@@ -41,6 +41,7 @@ __all__ = [
     "__version__",
     "EXIT_ORPHANED",
     "PROCESS_COMMUNICATORS",
+    "CommRecorder",
     "CommStats",
     "Communicators",
     "Group",
@@ -73,7 +74,6 @@ __all__ = [
     "rank_coords",
     "rank_state",
     "rank_tensor_names",
-    "record_into",
     "set_parent_death_signal",
     "shard_tensor",
     "stage_layers",
@@ -85,9 +85,9 @@ __all__ = [
 
 
 _LAZY = {
+    "CommRecorder": "_comm",
     "CommStats": "_comm",
     "native_collectives": "_comm",
-    "record_into": "_comm",
     "GradReducer": "_dp",
     "ParallelEngine": "_engine",
     "parallelize_llama": "_tp",

@@ -12,10 +12,12 @@ works on subgroups, so the same semantics are built from it:
   receiver zeros; an exchange puts each side's tensor in its own slot.
 
 Everything above this module is backend-independent. Each timed call (PyNative) is added
-to the ``CommStats`` of whoever is communicating: ``ParallelEngine`` owns one and makes it
-the recorder (``record_into``) for the collectives of its step, including those its
-tensor-parallel region cells run in backward; outside any ``record_into`` they go to a
-default recorder that nobody reads.
+to the ``CommStats`` of whoever is communicating, found through the group it runs on: a
+``ParallelEngine`` owns a ``CommRecorder`` and gives it to its groups
+(``ParallelGroups.with_recorder``), and the recorder points at the engine's ``CommStats``
+while a step runs (including the collectives its tensor-parallel region cells run in
+backward); other calls are not recorded. A caller can also name the ``stats`` of one call
+(``all_reduce(..., stats=)``). Nothing about recording is module-wide state.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mindspore import nn, ops
 
 from mindloom_parallel._groups import Group
 
-__all__ = ["CommStats", "native_collectives", "record_into"]
+__all__ = ["CommRecorder", "CommStats", "native_collectives"]
 
 
 class CommStats:
@@ -46,25 +48,34 @@ class CommStats:
         return {"comm_time_s": self.time_s, "comm_calls": self.calls, "comm_bytes": self.bytes}
 
 
-# the recorder of the innermost record_into; the bottom entry catches calls made outside one
-_recorders: list[CommStats] = [CommStats()]
+class CommRecorder:
+    """Where the timed collectives on the groups that carry it are added: ``stats`` while
+    ``recording(stats)`` is active, nowhere otherwise (see the module docstring)."""
+
+    def __init__(self):
+        self.stats: CommStats | None = None
+
+    @contextmanager
+    def recording(self, stats: CommStats | None):
+        """Time the collectives on this recorder's groups into ``stats`` inside the block
+        (None: leave as is)."""
+        if stats is None:
+            yield
+            return
+        previous, self.stats = self.stats, stats
+        try:
+            yield
+        finally:
+            self.stats = previous
 
 
-@contextmanager
-def record_into(stats: CommStats | None):
-    """Time the collectives run inside the block into ``stats`` (None: leave as is)."""
+def _record(group: Group, seconds: float, calls: int = 1, nbytes: int = 0,
+            stats: CommStats | None = None) -> None:  # fmt: skip
     if stats is None:
-        yield
+        recorder = group.recorder
+        stats = recorder.stats if recorder is not None else None
+    if stats is None:
         return
-    _recorders.append(stats)
-    try:
-        yield
-    finally:
-        _recorders.pop()
-
-
-def _record(seconds: float, calls: int = 1, nbytes: int = 0) -> None:
-    stats = _recorders[-1]
     stats.time_s += seconds
     stats.calls += calls
     stats.bytes += nbytes
@@ -73,7 +84,7 @@ def _record(seconds: float, calls: int = 1, nbytes: int = 0) -> None:
 _sync = getattr(getattr(ms, "runtime", None), "synchronize", None)
 
 
-def _timed(fn, x, nbytes: int):
+def _timed(fn, x, nbytes: int, group: Group, stats: CommStats | None = None):
     # PyNative may run ops asynchronously: synchronize so the time is the collective's own
     if _sync is not None:
         _sync()
@@ -81,7 +92,7 @@ def _timed(fn, x, nbytes: int):
     y = fn(x)
     if _sync is not None:
         _sync()
-    _record(time.perf_counter() - t0, 1, nbytes)
+    _record(group, time.perf_counter() - t0, 1, nbytes, stats)
     return y
 
 
@@ -122,12 +133,13 @@ def _nbytes(x) -> int:
 # ----------------------------------------------------------------------- plain collectives
 
 
-def all_reduce(x, group: Group, timed: bool = True):
-    """Sum over the group (every backend has this natively)."""
+def all_reduce(x, group: Group, timed: bool = True, stats: CommStats | None = None):
+    """Sum over the group (every backend has this natively). ``stats``: record this call
+    there instead of into the group's recorder."""
     if group.size == 1:
         return x
     op = _op("allreduce", group)
-    return _timed(op, x, _nbytes(x)) if timed else op(x)
+    return _timed(op, x, _nbytes(x), group, stats) if timed else op(x)
 
 
 def all_gather(x, group: Group, axis: int = 0, timed: bool = True):
@@ -137,7 +149,7 @@ def all_gather(x, group: Group, axis: int = 0, timed: bool = True):
     if native_collectives():
         xt = x if axis == 0 else x.swapaxes(0, axis)
         op = _op("allgather", group)
-        y = _timed(op, xt, _nbytes(x)) if timed else op(xt)
+        y = _timed(op, xt, _nbytes(x), group) if timed else op(xt)
         return y if axis == 0 else y.swapaxes(0, axis)
     zero = ops.zeros_like(x)
     parts = [x if i == group.index else zero for i in range(group.size)]
@@ -152,7 +164,7 @@ def reduce_scatter(x, group: Group, axis: int = 0, timed: bool = True):
     if native_collectives():
         xt = x if axis == 0 else x.swapaxes(0, axis)
         op = _op("reducescatter", group)
-        y = _timed(op, xt, _nbytes(x)) if timed else op(xt)
+        y = _timed(op, xt, _nbytes(x), group) if timed else op(xt)
         return y if axis == 0 else y.swapaxes(0, axis)
     y = all_reduce(x, group, timed)
     return _slice(y, axis, group.index * n, n)
@@ -235,14 +247,14 @@ def _native_exchange(send, recv_shape, recv_dtype, pair: Group):  # pragma: no c
             out = do_recv()
         if send is not None:
             do_send()
-    _record(time.perf_counter() - t0, 1)
+    _record(pair, time.perf_counter() - t0, 1)
     return out
 
 
 # ----------------------------------------------------------------------- autodiff-aware
 # Tensor-parallel regions (Megatron's f / g and their sequence-parallel versions). Each is a
 # Cell with a custom bprop so the backward communication is the transpose of the forward.
-# PyNative runs a bprop as Python, so its collective is timed into the current recorder like the
+# PyNative runs a bprop as Python, so its collective is timed into its group's recorder like the
 # forward's (the per-step communication share then includes the backward).
 
 

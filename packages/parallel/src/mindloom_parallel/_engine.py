@@ -13,7 +13,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindloom_parallel._comm import CommStats, all_reduce, exchange, record_into
+from mindloom_parallel._comm import CommRecorder, CommStats, all_reduce, exchange
 from mindloom_parallel._config import ParallelConfigError
 from mindloom_parallel._dp import GradReducer
 from mindloom_parallel._groups import ParallelGroups
@@ -33,8 +33,8 @@ class _Stage(nn.Cell):
         self.last = last
         self.loss_sum = loss_sum
 
-    def construct(self, x, position_ids, segment_ids, labels, loss_mask, denom):
-        out = self.model(x, position_ids, segment_ids)
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask, denom, dropout_key=None):
+        out = self.model(x, position_ids, segment_ids, dropout_key)
         if not self.last:
             return out
         return self.loss_sum(out, labels, loss_mask) / denom
@@ -53,6 +53,12 @@ class ParallelEngine:
     """
 
     def __init__(self, model, pcfg, groups: ParallelGroups, micro_batch_size: int):
+        # this engine's communication time since the start of its last step (the ZeRO-1
+        # update records into it too, see ZeroAdamW): its own groups carry the recorder,
+        # which points at comm_stats while a step runs
+        self.comm_stats = CommStats()
+        self._recorder = CommRecorder()
+        groups = groups.with_recorder(self._recorder)
         self.pcfg, self.groups = pcfg, groups
         self.micro_batch_size = micro_batch_size
         self.model = parallelize_llama(model, pcfg, groups)
@@ -93,9 +99,6 @@ class ParallelEngine:
         ]
         self.reducer = GradReducer(self.params, groups.dp, pcfg.bucket_size_mb)
         self.metrics: dict = {}
-        # this engine's communication time since the start of its last step (the ZeRO-1
-        # update records into it too, see ZeroAdamW)
-        self.comm_stats = CommStats()
 
     # ------------------------------------------------------------------ batches
 
@@ -138,18 +141,21 @@ class ParallelEngine:
 
     # ------------------------------------------------------------------ step
 
-    def forward_backward(self, batch: dict):
+    def forward_backward(self, batch: dict, dropout_keys=None):
         """-> (loss: float, grads: tuple of Tensors aligned with ``self.params``).
 
         ``batch``: this data-parallel rank's slice of the global batch (numpy arrays
         ``tokens``, ``labels`` and optionally ``position_ids``, ``segment_ids``,
         ``loss_mask``). The loss is the mean over every unmasked token of the GLOBAL batch,
         the same number on every rank; the gradients are summed over data-parallel ranks.
+        ``dropout_keys``: one ``mindloom_model.dropout_key`` per micro-batch, the same on
+        every tp/pp rank of a replica, so a resumed step redraws the same masks (None: the
+        model's stateful dropout, which does not resume exactly).
         """
         t0 = time.perf_counter()
         self.comm_stats.reset()
-        with record_into(self.comm_stats):
-            loss_value, grads = self._step(batch)
+        with self._recorder.recording(self.comm_stats):
+            loss_value, grads = self._step(batch, dropout_keys)
         step_s = time.perf_counter() - t0
         stats = self.comm_stats
         self.metrics = {
@@ -159,7 +165,7 @@ class ParallelEngine:
         }
         return loss_value, tuple(grads)
 
-    def _step(self, batch: dict):
+    def _step(self, batch: dict, dropout_keys=None):
         self._check_batch(batch)
         g = self.groups
         mask = batch.get("loss_mask")
@@ -170,6 +176,13 @@ class ParallelEngine:
         denom = ops.maximum(denom.reshape(()), ops.ones((), ms.float32))
         nmb = self.pcfg.micro_batch_num
         micro = [self._micro(batch, i) for i in range(nmb)]
+        if dropout_keys is not None:
+            if len(dropout_keys) != nmb:
+                raise ParallelConfigError(
+                    f"rank {g.rank}: {len(dropout_keys)} dropout keys for {nmb} micro-batches"
+                )
+            for mb, key in zip(micro, dropout_keys):
+                mb["dropout_key"] = key
         if self.pcfg.pp == 1:
             loss, grads = self._no_pipeline(micro, denom)
         else:
@@ -193,16 +206,14 @@ class ParallelEngine:
 
     def _fwd(self, x, mb, denom):
         def fn(inp):
-            return self.stage(
-                inp, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom
-            )
+            return self.stage(inp, mb["position_ids"], mb["segment_ids"], mb["labels"],
+                              mb["loss_mask"], denom, mb.get("dropout_key"))  # fmt: skip
 
         return ms.vjp(fn, x, weights=self.params)
 
     def _forward_only(self, x, mb, denom):
-        return self.stage(
-            x, mb["position_ids"], mb["segment_ids"], mb["labels"], mb["loss_mask"], denom
-        )
+        return self.stage(x, mb["position_ids"], mb["segment_ids"], mb["labels"],
+                          mb["loss_mask"], denom, mb.get("dropout_key"))  # fmt: skip
 
     def _no_pipeline(self, micro, denom):
         total, acc = None, None

@@ -8,8 +8,10 @@ block of consecutive ranks (on one node when tp <= GPUs per node):
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from mindloom_parallel._config import ParallelConfig, ParallelConfigError, validate
 
@@ -21,6 +23,8 @@ class Group:
     name: str | None  # None for a one-rank group (no communicator needed)
     ranks: tuple[int, ...]
     index: int
+    # the _comm.CommRecorder its timed collectives go to (a ParallelEngine's); None: none
+    recorder: Any = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -103,6 +107,14 @@ class ParallelGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pcfg.pp - 1
+
+    def with_recorder(self, recorder) -> ParallelGroups:
+        """A copy whose every group times its collectives into ``recorder`` (a
+        ``CommRecorder``; ``ParallelEngine`` makes one for its own groups)."""
+        kinds = ("tp", "dp", "pp", "mp", "world", "pp_next", "pp_prev", "embed")
+        return dataclasses.replace(self, **{
+            k: dataclasses.replace(getattr(self, k), recorder=recorder) for k in kinds
+        })  # fmt: skip
 
     def describe(self) -> str:
         return (

@@ -167,7 +167,7 @@ class ZeroAdamW:
         """ZeRO-1: owners hold the new values; one dp all-reduce gives them to every replica."""
         from mindspore import ops
 
-        from mindloom_parallel._comm import all_reduce, record_into
+        from mindloom_parallel._comm import all_reduce
 
         dp = self.groups.dp
         if dp.size == 1 or not self.sharded:
@@ -178,8 +178,7 @@ class ZeroAdamW:
                 for i, p in enumerate(self.params)
             ]
         )
-        with record_into(self.comm_stats):
-            full = all_reduce(flat, dp, timed=self.comm_stats is not None)
+        full = all_reduce(flat, dp, timed=self.comm_stats is not None, stats=self.comm_stats)
         off = 0
         for i, p in enumerate(self.params):
             n = int(p.size)

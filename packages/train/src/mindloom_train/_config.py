@@ -30,6 +30,7 @@ from mindloom_train._schema import (
     ContextConfig,
     DatasetConfig,
     LRSchedulerConfig,
+    ModelSection,
     MonitorConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "ContextConfig",
     "DatasetConfig",
     "LRSchedulerConfig",
+    "ModelSection",
     "MonitorConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -71,8 +73,6 @@ __all__ = [
 
 def from_dict(data: dict[str, Any], *, check_model: bool = True) -> Config:
     cfg = _build(Config, data, "")
-    if not isinstance(cfg.model, dict):
-        raise ConfigError(f"config key model: expected a mapping, got {show(cfg.model)}")
     return validate(cfg, check_model=check_model)
 
 

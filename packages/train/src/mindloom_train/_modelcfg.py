@@ -8,7 +8,7 @@ from typing import Any
 
 from mindloom_train._errors import ConfigError
 from mindloom_train._parse import MAX_ECHO, _coerce, show
-from mindloom_train._schema import Config
+from mindloom_train._schema import Config, ModelSection
 
 # Owned by other sections so that one knob never has two places.
 _ELSEWHERE = {
@@ -16,7 +16,7 @@ _ELSEWHERE = {
     "recompute": "recompute.mode",
     "recompute_layers": "recompute.layers",
 }
-_EXTRA = {"preset", "init_from_hf"}
+_EXTRA = set(ModelSection.EXTRA)
 _DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _RECOMPUTE = {"none": "none", "full": "full", "selected": "selected"}
 
@@ -27,7 +27,9 @@ def _model_fields() -> dict[str, Any]:
     return typing.get_type_hints(ModelConfig)
 
 
-def validate_section(model: dict[str, Any]) -> None:
+def validate_section(model: ModelSection) -> None:
+    """Every key of the section against ModelConfig (its overrides coerced to their
+    types in place), then the preset with those overrides."""
     hints = _model_fields()
     for key, value in model.items():
         if key in _ELSEWHERE:
@@ -42,11 +44,9 @@ def validate_section(model: dict[str, Any]) -> None:
             known = ", ".join(sorted(set(hints) - set(_ELSEWHERE) | _EXTRA))
             name = key if isinstance(key, str) and len(key) <= MAX_ECHO else show(key)
             raise ConfigError(f"config key model.{name}: unknown key (known: {known})")
-        model[key] = _coerce(f"model.{key}", value, hints[key])
-    preset = model.get("preset")
-    if preset is None and "init_from_hf" not in model:
-        # a full spec without a preset is fine, the dataclass defaults fill the rest
-        pass
+        model.overrides[key] = _coerce(f"model.{key}", value, hints[key])
+    # without a preset, a full spec is fine: the dataclass defaults fill the rest
+    preset = model.preset
     if preset is not None:
         from mindloom_model import get_preset
 
@@ -56,8 +56,8 @@ def validate_section(model: dict[str, Any]) -> None:
             raise ConfigError(f"config key model: {exc}") from None
 
 
-def _overrides(model: dict[str, Any], vocab_size: int | None, seq_length: int | None) -> dict:
-    out = {k: v for k, v in model.items() if k not in _EXTRA}
+def _overrides(model: ModelSection, vocab_size: int | None, seq_length: int | None) -> dict:
+    out = {k: v for k, v in model.items() if k not in _EXTRA}  # the overrides, as given
     if out.get("vocab_size") is None:
         out.pop("vocab_size", None)
         if vocab_size is not None:
@@ -96,7 +96,7 @@ def build_model_config(cfg: Config, vocab_size: int | None):
                     f"deepseek_v3 (plain data parallel only); use {off}"
                 )
     try:
-        preset = cfg.model.get("preset")
+        preset = cfg.model.preset
         mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key model: {exc}") from None
@@ -111,7 +111,7 @@ def build_model_config(cfg: Config, vocab_size: int | None):
 def _preset_family(cfg: Config) -> str:
     from mindloom_model import get_preset
 
-    preset = cfg.model.get("preset")
+    preset = cfg.model.preset
     try:
         return get_preset(preset).family if preset else "llama"
     except (ValueError, TypeError):

@@ -53,15 +53,17 @@ class EngineStep:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, micro_batches: list[dict], hyper: np.ndarray, *, stop: bool, time_up: bool):
-        """-> (loss, grad_norm, ok, stop_any, time_up_any); every rank gets the same values."""
+    def step(self, micro_batches: list[dict], hyper: np.ndarray, *, stop: bool, time_up: bool,
+             dropout_keys=None):  # fmt: skip
+        """-> (loss, grad_norm, ok, stop_any, time_up_any); every rank gets the same values.
+        ``dropout_keys``: one per micro-batch (see ``ParallelEngine.forward_backward``)."""
         from mindloom_parallel import gather_rows
 
         from mindloom_train import _step as S
 
         t0 = time.perf_counter()
         batch = {k: np.concatenate([b[k] for b in micro_batches]) for k in micro_batches[0]}
-        loss, grads = self.engine.forward_backward(batch)  # resets engine.comm_stats
+        loss, grads = self.engine.forward_backward(batch, dropout_keys)  # resets comm_stats
         loss = float(np.float32(loss) + np.float32(hyper[S.H_LPOISON]))
         grads = list(grads)
         if hyper[S.H_GMULT] != 1.0:

@@ -92,6 +92,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, dict):
             raise _bad(key, value, "a mapping")
         return dict(value)
+    from_mapping = getattr(tp, "from_mapping", None)
+    if from_mapping is not None:  # a section that reads its own keys (the model section)
+        if not isinstance(value, dict):
+            raise _bad(key, value, "a mapping")
+        return from_mapping(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
     if tp is bool:

@@ -290,12 +290,23 @@ class EngineRunner:
         stop, time_up = inp.flags()
         hyper = inp.hyper(**inp.faults, n_micro=self.accum, stop=stop)
         loss, gnorm, ok, stop_any, time_any = self.par.step(
-            micro, hyper.asnumpy(), stop=stop, time_up=time_up
-        )
+            micro, hyper.asnumpy(), stop=stop, time_up=time_up,
+            dropout_keys=self._dropout_keys(inp.step),
+        )  # fmt: skip
         if self.rt.world == 1:
             stop_any, time_any = inp.flags()
         m = self.par.rank_metrics
         return StepResult(loss, gnorm, ok, stop_any, time_any, m["comm_s"], m["step_s"])
+
+    def _dropout_keys(self, step: int):
+        # the compiled step's keys (CompiledRunner._dropout_key): (seed, step, micro-batch),
+        # the micro-batch numbered across data-parallel ranks; the same on every tp/pp rank
+        if not self.mcfg.dropout or self.mcfg.family != "llama":
+            return None
+        from mindloom_model import dropout_key
+
+        first = self.rt.dp_rank * self.accum
+        return [dropout_key(self.cfg.seed, step, first + i) for i in range(self.accum)]
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
         return self.par.eval_loss(batch)

@@ -4,9 +4,11 @@ nothing of MindSpore or mindloom_model."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -182,12 +184,60 @@ class ProfilerConfig:
     output_dir: str | None = None  # null: RUN_DIR/profile
 
 
+@dataclass(eq=False)
+class ModelSection(Mapping):
+    """The `model` section: `preset` (a mindloom_model preset), `init_from_hf` (a Hugging
+    Face Llama directory to start from) and `overrides`, any ModelConfig field over the
+    preset (`vocab_size: null` takes the tokenizer's); `_modelcfg` checks the overrides
+    against ModelConfig's types and coerces them.
+
+    It also reads as the mapping the config gave, keys in their order (`given`): that
+    mapping, not the dataclass, is what config.yaml, the config hash and the drift
+    settings record, so they are what they were when the section was a dict."""
+
+    preset: str | None = None
+    init_from_hf: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    given: tuple = ()  # the keys the config set, in its order
+
+    # keys of the section that are not ModelConfig fields
+    EXTRA: ClassVar[tuple[str, ...]] = ("preset", "init_from_hf")
+
+    @classmethod
+    def from_mapping(cls, data: dict) -> ModelSection:
+        """The section as the YAML gave it (`_parse` calls this; no checks here)."""
+        extra = {k: data[k] for k in cls.EXTRA if k in data}
+        overrides = {k: v for k, v in data.items() if k not in cls.EXTRA}
+        return cls(**extra, overrides=overrides, given=tuple(data))
+
+    def __getitem__(self, key: Any) -> Any:
+        if key not in self.given:
+            raise KeyError(key)
+        return getattr(self, key) if key in self.EXTRA else self.overrides[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.given)
+
+    def __len__(self) -> int:
+        return len(self.given)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and self.to_dict() == dict(other.items())
+
+    __hash__ = None  # mutable, like the dict it replaces
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: copy.deepcopy(self[k]) for k in self.given}
+
+
+def _debug_preset() -> ModelSection:
+    return ModelSection.from_mapping({"preset": "debug"})
+
+
 @dataclass
 class Config:
     context: ContextConfig = field(default_factory=ContextConfig)
-    # `preset` plus any ModelConfig field of mindloom_model; `vocab_size: null` takes
-    # the tokenizer's; `init_from_hf` starts from a Hugging Face Llama directory.
-    model: dict[str, Any] = field(default_factory=lambda: {"preset": "debug"})
+    model: ModelSection = field(default_factory=_debug_preset)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     train_dataset: DatasetConfig = field(default_factory=DatasetConfig)
     eval_dataset: DatasetConfig | None = None
@@ -221,7 +271,9 @@ class Config:
         return t.global_batch_size // (t.micro_batch_size * self.parallelism.dp)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()  # the section as given (see ModelSection)
+        return d
 
     def hash(self) -> str:
         """Short content hash of the resolved config (in every event and checkpoint)."""

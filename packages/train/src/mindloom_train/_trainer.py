@@ -28,15 +28,20 @@ from mindloom_train._errors import (
     EXIT_FAILED,
     EXIT_HANG,
     EXIT_OK,
-    RankLost,
-    StepFailed,
     TrainError,
     classify,
 )
 from mindloom_train._evaluator import Evaluator
 from mindloom_train._faults import FaultInjector
 from mindloom_train._guards import AnomalyGuard, LossScaler
-from mindloom_train._metrics import MetricsWriter, RunLog, peak_flops, peak_rss_mb, progress_text
+from mindloom_train._metrics import MetricsWriter, RunLog, peak_flops, progress_text
+from mindloom_train._run_end import (
+    close_records,
+    first_line,
+    log_error,
+    log_peak_memory,
+    runtime_failure,
+)
 from mindloom_train._runner import StepInputs, StepResult, StepRunner, make_runner
 from mindloom_train._runtime import PhaseClock, Profiler, Runtime
 from mindloom_train._schedule import lr_at
@@ -109,7 +114,7 @@ class Trainer:
 
         cfg, data = self.cfg, self.data
         check_precision(cfg)  # settings that cannot train: one line, exit 2
-        if not cfg.model.get("init_from_hf"):  # before anything is allocated (exit 2)
+        if not cfg.model.init_from_hf:  # before anything is allocated (exit 2)
             self.memory_estimate = preflight(cfg, data.tok.vocab_size, self.rt.world, self.log)
         self.built = build_model(cfg, self.rt, data.tok.vocab_size, self.log)
         # every token id against the model's vocabulary, before step 1 (exit 2 if not)
@@ -341,12 +346,12 @@ class Trainer:
         try:
             code, status, reason = self._run()
         except RuntimeError as exc:
-            code, reason = self._runtime_failure(exc)
+            code, reason = runtime_failure(exc, self.state.step + 1, self.rt.rank, self.rt.world)
             self._log_error(reason)
         except BaseException as exc:
             known = classify(exc)
             if known is None:
-                reason = f"internal error: {type(exc).__name__}: {_first_line(exc)}"
+                reason = f"internal error: {type(exc).__name__}: {first_line(exc)}"
                 raise
             code, reason = known
             self._log_error(reason)
@@ -354,66 +359,20 @@ class Trainer:
             self._close(code, status, reason)
         return code
 
-    def _runtime_failure(self, exc: RuntimeError) -> tuple[int, str]:
-        """A RuntimeError out of the run: a row of the table, or MindSpore failing a step,
-        typed here so that the table decides its code."""
-        known = classify(exc)
-        if known is not None:
-            return known
-        step = self.state.step + 1
-        if self.rt.world <= 1:
-            # an op error, a bad input MindSpore caught: one line, not a page of C++ stack
-            typed = StepFailed(f"step {step} failed in MindSpore: {_first_line(exc)}")
-        else:
-            # MindSpore fails a collective whose peer stopped answering (missed heartbeats,
-            # MS_NODE_TIMEOUT)
-            typed = RankLost(
-                f"rank {self.rt.rank}: step {step} failed in MindSpore ({_first_line(exc)}); "
-                f"another rank is probably gone: see every rank's log"
-            )
-        return classify(typed)
-
     def _close(self, code: int, status: str, reason: str) -> None:
         self._log_peak_memory()
-        try:  # best effort: the failure may be the metrics file itself (ENOSPC)
-            self.metrics.event("end", step=self.state.step, status=status, reason=reason,
-                               exit_code=code)  # fmt: skip
-        except OSError:
-            pass
-        try:
-            self.metrics.close()
-        except OSError:
-            pass
-        self.log.close()
+        close_records(self.metrics, self.log, self.state.step, code, status, reason)
 
     def _log_peak_memory(self) -> None:
-        # every rank's log: the estimate against what happened; before an error line, so
-        # `error: ...` stays the last line a failed run prints
-        est = self.memory_estimate
-        if est is None or self._peak_logged:
+        # before an error line, so `error: ...` stays the last line a failed run prints
+        if self.memory_estimate is None or self._peak_logged:
             return
         self._peak_logged = True
-        try:
-            self.log(f"memory: peak RSS {peak_rss_mb():.1f} MiB on rank {self.rt.rank}; "
-                     f"estimate {est.total / 2**20:.1f} MiB")  # fmt: skip
-        except OSError:
-            pass
+        log_peak_memory(self.log, self.memory_estimate, self.rt.rank)
 
     def _log_error(self, reason: str) -> None:
         self._log_peak_memory()
-        try:
-            self.log(f"error: {reason}")
-        except OSError:  # train.log itself failed (ENOSPC): the console still gets it
-            print(f"error: {reason}", file=sys.stderr)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The informative line of a MindSpore error (they open with blank and dashed lines)."""
-    for line in str(exc).splitlines():
-        line = line.strip()
-        if line and not line.startswith(("---", "- ")):
-            return line
-    return type(exc).__name__
+        log_error(self.log, reason)
 
 
 def train(cfg: Config, *, console=None, fault_spec: str | None = None) -> int:
