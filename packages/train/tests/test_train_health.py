@@ -123,6 +123,9 @@ def test_max_logits_growing_without_bound():
     evs = feed(stream(growth))
     assert rules_of(evs) == [("max_logits", 250)]
     assert "rose for 5 log records" in evs[0]["reason"]
+    # the same growth from a fresh model's ~0.1 (the debug run's) is learning, not a fault
+    small = {s: {"max_logits": [0.1 * 1.2 ** ((s - 200) / 10)]} for s in range(200, 270, 10)}
+    assert feed(stream(small)) == []
 
 
 def test_communication_above_a_third_of_the_step():
@@ -195,8 +198,10 @@ def test_a_learning_rate_of_1e7_is_flagged_as_flat_loss(prepared, tmp_path):
 
 
 def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
-    # with the in-graph numerics on: their fields reach every step record
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor={**MON, "numerics": True})
+    # with the in-graph numerics and MaxLogits on (their own graphs, run at the log
+    # steps): their fields reach every step record, and the max_logits rule reads them
+    mon = {**MON, "numerics": True, "max_logits": True}
+    cfg = base_config(prepared, tmp_path, training=RUN, monitor=mon)
     assert run_config(cfg) == 0
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
     recs = [r for r in read_metrics(tmp_path) if "event" not in r]
@@ -205,3 +210,6 @@ def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
                 "adam_m_layers", "adam_sqrt_v_layers"):  # fmt: skip
         assert all(len(r[key]) == 2 and all(math.isfinite(x) for x in r[key]) for r in recs), key
     assert 0 < recs[-1]["update_ratio_layers"][0] < 0.1
+    for r in recs:
+        assert len(r["max_logits"]) == 2 and all(0 < x < 100 for x in r["max_logits"]), r
+        assert 0.0 <= r["logits_over_bound_frac"] <= 1.0

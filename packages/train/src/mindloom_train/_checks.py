@@ -66,6 +66,7 @@ def _check_counts(cfg: Config) -> None:
     for key, opt in [
         ("training.time_limit_s", t.time_limit_s),
         ("monitor.peak_tflops", cfg.monitor.peak_tflops),
+        ("monitor.output_logit_bound", cfg.monitor.output_logit_bound),
     ]:
         if opt is not None:
             _check(opt > 0, key, opt, "must be > 0 (or null)")

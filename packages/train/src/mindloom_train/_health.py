@@ -61,7 +61,10 @@ class HealthConfig:
     grad_window: int = 50  # ... over this many log records ...
     grad_persist: int = 3  # ... for this many log records in a row
     max_logit_bound: float = 100.0  # largest attention logit above this
-    max_logit_growth: int = 5  # or rising this many log records in a row and doubled
+    max_logit_growth: int = 5  # or rising this many log records in a row and doubled ...
+    # ... to above this: a fresh model's logits (~0.1) triple while it learns to attend,
+    # which is not the unbounded growth the rule is about (seen on the debug preset)
+    max_logit_floor: float = 5.0
     comm_share: float = 1 / 3  # communication share of the step above this ...
     data_wait: float = 0.1  # data-wait share of the step above this ...
     persist: int = 2  # ... for this many log records in a row
@@ -76,6 +79,8 @@ def check_config(h: HealthConfig) -> tuple[str, Any, str] | None:
     for name in ("flat_min_drop", "cliff_drop", "comm_share", "data_wait"):
         if not 0 < getattr(h, name) < 1:
             return f"monitor.health.{name}", getattr(h, name), "must be between 0 and 1"
+    if h.max_logit_floor < 0:
+        return "monitor.health.max_logit_floor", h.max_logit_floor, "must be >= 0"
     for name in ("grad_factor", "max_logit_bound"):
         if getattr(h, name) <= 1:
             return f"monitor.health.{name}", getattr(h, name), "must be > 1"
@@ -216,6 +221,7 @@ class HealthMonitor:
             len(hist) > c.max_logit_growth
             and all(b > a for a, b in zip(hist, hist[1:]))
             and hist[-1] >= 2 * hist[0] > 0
+            and hist[-1] > c.max_logit_floor
         )
         if top > c.max_logit_bound:
             why = f"largest attention logit {top:.4g} above the bound {c.max_logit_bound:g}"
