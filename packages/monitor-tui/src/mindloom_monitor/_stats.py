@@ -23,7 +23,8 @@ MAX_EVENTS = 20_000  # per run; the oldest half is dropped beyond this
 MAX_ALERTS = 200  # health alerts kept per run
 # Series kept per run, in plotting order.
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mtp_loss", "moe_imbalance_overall",
-          "comm_share", "data_wait_frac", "mem_rss_mb", "max_logit")  # fmt: skip
+          "comm_share", "data_wait_frac", "mem_rss_mb", "max_logit",
+          "logits_over_bound_frac")  # fmt: skip
 HEAT_STEPS = 400  # per-layer lists kept per run (the layer x step heat maps)
 
 

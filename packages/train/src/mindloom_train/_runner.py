@@ -24,6 +24,7 @@ import numpy as np
 
 from mindloom_train import _checkpoint as ck
 from mindloom_train._config import Config
+from mindloom_train._rankstats import memory_row, rank_fields
 from mindloom_train._throughput import ThroughputWindow
 
 Flags = Callable[[], tuple[bool, bool]]  # this rank's (stop requested, time limit passed) now
@@ -283,7 +284,9 @@ class CompiledRunner:
         record repeats the last probe. One process: 0."""
         if self.rt.world == 1:
             return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
-                    "comm_share_ranks": [0.0]}  # fmt: skip
+                    "comm_share_ranks": [0.0],
+                    **rank_fields([memory_row(window.mean_step_time())],
+                                  self.cfg.training.global_batch_size)}  # fmt: skip
         if self.comm_probe is None:
             return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
                     "comm_share_ranks": None}  # fmt: skip
@@ -297,13 +300,17 @@ class CompiledRunner:
         t0 = time.perf_counter()
         self.comm_probe(self._probe_grads)[0].asnumpy()
         comm = time.perf_counter() - t0
-        ranks = gather_rows([comm, window.mean_step_time()], self.rt.groups.world)
+        # the same all-gather carries each rank's memory and step time (_rankstats)
+        rows = gather_rows([comm, *memory_row(window.mean_step_time())], self.rt.groups.world)
+        ranks = [(r[0], r[4]) for r in rows]
         share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
         return {
             "comm_s": comm,
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [float(c) for c, _ in ranks],
             "comm_share_ranks": share,
+            **rank_fields([r[1:] for r in rows], self.cfg.training.global_batch_size
+                          / self.rt.dp_size),  # fmt: skip
         }
 
 
@@ -355,14 +362,21 @@ class EngineRunner:
 
     def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
         """Measured around each collective (the engine runs PyNative), this rank and every rank."""
+        from mindloom_parallel import gather_rows
+
         steps = max(window.steps, 1)
-        ranks = self.par.gather_metrics(window.comm_s, window.rank_step_s)
+        # (comm, the engine's step time) and this rank's memory row (_rankstats), gathered
+        rows = gather_rows([window.comm_s, window.rank_step_s,
+                            *memory_row(window.mean_step_time())], self.rt.groups.world)  # fmt: skip
+        ranks = [(float(r[0]), float(r[1])) for r in rows]
         share = [c / s if s > 0 else 0.0 for c, s in ranks]
         return {
             "comm_s": ranks[self.rt.rank][0] / steps,
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [c / steps for c, _ in ranks],
             "comm_share_ranks": share,
+            **rank_fields([r[2:] for r in rows], self.cfg.training.global_batch_size
+                          / self.rt.dp_size),  # fmt: skip
         }
 
 
