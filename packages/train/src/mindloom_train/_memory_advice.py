@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from mindloom_train._memory_estimate import estimate
-
 
 def _variant(cfg, **changes):
     import copy
@@ -19,7 +17,9 @@ def _variant(cfg, **changes):
     return new
 
 
-def _suggestions(cfg, est, *, nproc, device, mcfg, runtime_bytes, ranks_per_host) -> list[dict]:
+def _suggestions(cfg, est, *, nproc, device, mcfg, runtime_bytes, ranks_per_host,
+                 estimate) -> list[dict]:  # fmt: skip
+    # `estimate`: _memory_estimate.estimate, passed in (that module calls this one)
     """Each single change that could make it fit, with its estimate."""
     p, t = cfg.parallelism, cfg.training
     lay = est.layout
@@ -77,11 +77,11 @@ def _suggestions(cfg, est, *, nproc, device, mcfg, runtime_bytes, ranks_per_host
             continue
         out.append({"change": label, "total": e.total, "usable": e.usable, "fits": e.fits})
     if out and not any(o["fits"] for o in out):
-        out += _combined(cfg, nproc, device, mcfg, runtime_bytes)
+        out += _combined(cfg, nproc, device, mcfg, runtime_bytes, estimate)
     return out
 
 
-def _combined(cfg, nproc, device, mcfg, runtime_bytes) -> list[dict]:
+def _combined(cfg, nproc, device, mcfg, runtime_bytes, estimate) -> list[dict]:
     """None fits alone: full recompute + ZeRO-1, then doubling TP (within the KV heads),
     then PP (within the layers), at the same number of ranks while dp allows."""
     var = _variant(cfg, **{"recompute.mode": "full", "parallelism.zero_stage": 1})

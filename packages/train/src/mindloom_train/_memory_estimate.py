@@ -15,6 +15,7 @@ from mindloom_train._memory_activations import (
     layer_activation_bytes,
     llama_block,
 )
+from mindloom_train._memory_advice import _suggestions
 from mindloom_train._memory_devices import (
     _BYTES,
     COMPILE_CPU_FIXED,
@@ -316,8 +317,7 @@ def estimate(
         notes=notes,
     )
     if suggest and not est.fits:
-        from mindloom_train._memory_advice import _suggestions
-
         est.suggestions = _suggestions(cfg, est, nproc=world, device=device, mcfg=mcfg,
-                                       runtime_bytes=runtime_bytes, ranks_per_host=ranks_per_host)  # fmt: skip
+                                       runtime_bytes=runtime_bytes, ranks_per_host=ranks_per_host,
+                                       estimate=estimate)  # fmt: skip
     return est
