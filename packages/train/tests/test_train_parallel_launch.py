@@ -305,7 +305,9 @@ def test_launch_memory_per_rank_and_estimate_within_20_percent(runs, layout):
     recs = step_records(runs[layout])
     for rec in recs.values():
         assert len(rec["mem_rss_mb_ranks"]) == 2 and len(rec["samples_per_s_ranks"]) == 2
-        assert all(0 < p for p in rec["mem_peak_mb_ranks"]) and "mem_device_peak_mb_ranks" not in rec
+        assert (
+            all(0 < p for p in rec["mem_peak_mb_ranks"]) and "mem_device_peak_mb_ranks" not in rec
+        )
         assert rec["mem_rss_mb_ranks"][0] == pytest.approx(rec["mem_rss_mb"], rel=0.2)
         assert all(s > 0 for s in rec["samples_per_s_ranks"])
     peaks = {}

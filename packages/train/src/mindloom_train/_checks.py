@@ -58,6 +58,7 @@ def _check_counts(cfg: Config) -> None:
         ("context.device_id", cfg.context.device_id),
         ("seed", cfg.seed),
         ("profiler.start_step", cfg.profiler.start_step),
+        ("profiler.warmup_steps", cfg.profiler.warmup_steps),
     ]:
         _check(val >= 0, key, val, "must be >= 0")
     if cfg.context.num_threads is not None:

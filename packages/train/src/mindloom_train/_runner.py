@@ -148,7 +148,8 @@ class CompiledRunner:
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts)
+            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
+        )
         self._init_stats(cfg, built, weights, flags, grad_red, loss_red, log)
         self.accum_step = (
             _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
@@ -175,7 +176,9 @@ class CompiledRunner:
         if mon.max_logits and self.mcfg.family == "llama":
             self.logit_stats = logit_stats(self.model, mon.output_logit_bound)
         elif mon.max_logits:
-            log(f"monitor: max_logits is computed for the llama family only, not {self.mcfg.family}")
+            log(
+                f"monitor: max_logits is computed for the llama family only, not {self.mcfg.family}"
+            )
 
     def _log_step_stats(self, step: int, batch, dkey) -> bool:
         """At a log step: the logit statistics of `batch` (weights before the update);
@@ -309,8 +312,9 @@ class CompiledRunner:
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [float(c) for c, _ in ranks],
             "comm_share_ranks": share,
-            **rank_fields([r[1:] for r in rows], self.cfg.training.global_batch_size
-                          / self.rt.dp_size),  # fmt: skip
+            **rank_fields(
+                [r[1:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
+            ),  # fmt: skip
         }
 
 
@@ -375,8 +379,9 @@ class EngineRunner:
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [c / steps for c, _ in ranks],
             "comm_share_ranks": share,
-            **rank_fields([r[2:] for r in rows], self.cfg.training.global_batch_size
-                          / self.rt.dp_size),  # fmt: skip
+            **rank_fields(
+                [r[2:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
+            ),  # fmt: skip
         }
 
 

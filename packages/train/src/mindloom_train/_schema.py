@@ -182,6 +182,10 @@ class ProfilerConfig:
     start_step: int = 2
     end_step: int = 4
     output_dir: str | None = None  # null: RUN_DIR/profile
+    warmup_steps: int = 0  # profiled before start_step and dropped (the profiler's start-up)
+    profile_memory: bool = False  # operator memory records
+    with_stack: bool = False  # Python call stacks of the operators
+    ranks: list[int] | None = None  # which ranks profile; null: every rank
 
 
 @dataclass

@@ -194,7 +194,7 @@ class Trainer:
             return EXIT_OK, "completed", "already complete"
         self.rt.install_signals()
         self.clock = PhaseClock(cfg, self.rt.rank, self.rt.world, self._report_hang)
-        self.profiler = Profiler(cfg, str(self.run_dir / "profile"), self.log)
+        self.profiler = Profiler(cfg, str(self.run_dir / "profile"), self.log, self.rt.rank)
         loader = self._make_loader(train_data, self.state.consumed,
                                    t.train_iters * t.global_batch_size)  # fmt: skip
         try:
