@@ -252,3 +252,30 @@ def test_profiler_section_maps_onto_mindspore_and_writes_where_it_says(tmp_path)
     files = {p.rsplit("/", 1)[-1] for p in glob.glob(trace + "/**/*", recursive=True)}
     assert "trace_view.json" in files
     assert any("memory" in f for f in files), files  # profile_memory reached MindSpore
+
+
+# --- packing padding above 5%: at pack time, from the data side's statistic ---------------
+
+
+def test_padding_above_5_percent_at_pack_time_is_an_event(tmp_path):
+    import numpy as np
+    from mindloom_data import IndexedDatasetBuilder, PackedDataset
+
+    # 40 documents of 6 tokens, seq_length 8: best_fit puts one document in each bin of
+    # 9 tokens (a sample is seq_length + 1), so 6 of 9 are real (padding_ratio counts the
+    # seq_length input positions: 1 - 5/8 = 37.5%); concat packs them without padding
+    b = IndexedDatasetBuilder(tmp_path / "short")
+    for i in range(40):
+        b.add_document(np.arange(i, i + 6, dtype=np.int32) % 50)
+    b.finalize()
+    lines: list[str] = []
+    mon = HealthMonitor(HealthConfig(), lines.append)
+    best = PackedDataset(tmp_path / "short", 8, mode="best_fit", num_samples=20, eos_id=0,
+                         cache_dir=None)  # fmt: skip
+    (ev,) = mon.check_packing(best, "train", 0)
+    assert ev["rule"] == "padding" and ev["value"] == pytest.approx(3 / 8)
+    assert ev["advice"] == RULES["padding"] and "37.5% of the train dataset" in ev["reason"]
+    assert lines[0] == "data: train packed best_fit: padding 37.50%, 5.0 tokens per sample of 8"
+    concat = PackedDataset(tmp_path / "short", 8, mode="concat", num_samples=20, cache_dir=None)
+    assert mon.check_packing(concat, "train", 0) == []
+    assert lines[-1].startswith("data: train packed concat: padding 0.00%")
