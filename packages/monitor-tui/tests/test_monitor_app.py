@@ -120,8 +120,10 @@ async def test_config_screen_opens_and_closes(run_dir, tmp_path):
         await loaded(pilot, app)
         await pilot.press("c")
         assert isinstance(app.screen, ConfigScreen)
-        text = screen_text(app)
-        assert "preset: debug" in text and "train_steps: 1000" in text
+        # the modal's text renders after the key press returns: wait for it (under load
+        # the screen was still blank when read at once)
+        assert await wait_for(pilot, lambda: "preset: debug" in screen_text(app))
+        assert "train_steps: 1000" in screen_text(app)
         await pilot.press("escape")
         assert not isinstance(app.screen, ConfigScreen)
     empty = tmp_path / "empty"
@@ -129,7 +131,7 @@ async def test_config_screen_opens_and_closes(run_dir, tmp_path):
     app = make_app(empty)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.press("c")
-        assert "config.yaml not found" in screen_text(app)
+        assert await wait_for(pilot, lambda: "config.yaml not found" in screen_text(app))
 
 
 async def test_two_runs_next_run_and_overlay(tmp_path):

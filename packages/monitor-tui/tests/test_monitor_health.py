@@ -27,6 +27,9 @@ def health_fields(step):
         "comm_share": 0.1 + step / 1000,
         "comm_share_ranks": [0.1 + step / 1000, 0.2 + step / 1000],
         "mem_rss_mb_ranks": [800.0 + step, 900.0 + step],
+        "mem_peak_mb_ranks": [1000.0 + step, 1100.0 + step],
+        "samples_per_s_ranks": [40.0, 20.0 + step],
+        "logits_over_bound_frac": step / 100,
         "data_wait_frac": 0.01 * (step % 7),
         "grad_norm_layers": layer_norms(step),
         "max_logits": [3.0 + step / 10, 5.0],
@@ -107,7 +110,10 @@ def test_once_has_alerts_comm_wait_memory_and_the_heat_map(tmp_path, capsys):
     mean = statistics.fmean(0.01 * (s % 7) for s in range(1, 31))
     assert f"data wait (step 30): 2.0%  run mean {100 * mean:.1f}%" in out
     assert "memory RSS MiB per rank (step 30): r0 830 r1 930" in out
-    assert "max attention logit (step 30): 6" in out
+    assert "peak memory RSS MiB per rank (step 30): r0 1030 r1 1130" in out
+    assert "samples/s per rank (step 30): r0 40 r1 50" in out
+    assert "device memory peak" not in out  # the CPU backend reports none
+    assert "max attention logit (step 30): 6  tokens over the output-logit bound: 30.0%" in out
     rows = re.findall(r"^  L(\d) +\|(.*)\|$", out, re.M)
     want = expected_heat([layer_norms(s) for s in range(1, 31)])
     # two heat maps (grad norm, MaxLogits); the grad-norm one comes first

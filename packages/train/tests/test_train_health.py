@@ -123,6 +123,9 @@ def test_max_logits_growing_without_bound():
     evs = feed(stream(growth))
     assert rules_of(evs) == [("max_logits", 250)]
     assert "rose for 5 log records" in evs[0]["reason"]
+    # the same growth from a fresh model's ~0.1 (the debug run's) is learning, not a fault
+    small = {s: {"max_logits": [0.1 * 1.03 ** (s / 10)]} for s in range(10, 410, 10)}
+    assert feed(stream(small)) == []
 
 
 def test_communication_above_a_third_of_the_step():
@@ -195,8 +198,10 @@ def test_a_learning_rate_of_1e7_is_flagged_as_flat_loss(prepared, tmp_path):
 
 
 def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
-    # with the in-graph numerics on: their fields reach every step record
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor={**MON, "numerics": True})
+    # with the in-graph numerics and MaxLogits on (their own graphs, run at the log
+    # steps): their fields reach every step record, and the max_logits rule reads them
+    mon = {**MON, "numerics": True, "max_logits": True}
+    cfg = base_config(prepared, tmp_path, training=RUN, monitor=mon)
     assert run_config(cfg) == 0
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
     recs = [r for r in read_metrics(tmp_path) if "event" not in r]
@@ -205,3 +210,72 @@ def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
                 "adam_m_layers", "adam_sqrt_v_layers"):  # fmt: skip
         assert all(len(r[key]) == 2 and all(math.isfinite(x) for x in r[key]) for r in recs), key
     assert 0 < recs[-1]["update_ratio_layers"][0] < 0.1
+    for r in recs:
+        assert len(r["max_logits"]) == 2 and all(0 < x < 100 for x in r["max_logits"]), r
+        assert 0.0 <= r["logits_over_bound_frac"] <= 1.0
+        # one process: the per-rank fields have one entry (the launch test checks two)
+        assert len(r["mem_peak_mb_ranks"]) == 1 and r["samples_per_s_ranks"][0] > 0
+
+
+# --- profiler: the section mapped onto MindSpore's profiler ------------------------------
+
+
+def test_profiler_section_maps_onto_mindspore_and_writes_where_it_says(tmp_path):
+    import glob
+
+    import mindspore as ms
+    import numpy as np
+    from mindloom_train._profiling import profiler_plan, start
+
+    data = {"train_dataset": {"data_prefix": ["x"]}}
+    cfg = from_dict({**data, "profiler": {"enabled": True, "start_step": 3, "end_step": 4,
+                                  "warmup_steps": 1, "profile_memory": True,
+                                  "with_stack": True, "ranks": [0, 3],
+                                  "output_dir": str(tmp_path / "prof")}})  # fmt: skip
+    assert profiler_plan(cfg.profiler, 1, "unused") is None  # not one of the named ranks
+    plan = profiler_plan(cfg.profiler, 3, "unused")
+    assert (plan.first_step, plan.warmup, plan.active) == (2, 1, 2)
+    line = plan.describe()
+    assert "rank 3 profiles steps 3-4, 1 warmup step(s)" in line and "memory, call stacks" in line
+    assert line.endswith(f"trace in {tmp_path / 'prof'}/rank3_*_ascend_ms")
+    with pytest.raises(ConfigError, match="profiler.warmup_steps"):
+        from_dict({**data, "profiler": {"warmup_steps": -1}})
+    # the real profiler on the CPU backend, steps 2 (warmup) to 4 of a tiny op
+    ms.set_context(device_target="CPU")
+    prof = start(plan, "CPU")
+    x = ms.Tensor(np.ones((8, 8), np.float32))
+    for _ in range(plan.first_step, plan.end_step + 1):
+        ms.ops.matmul(x, x).asnumpy()
+        prof.step()
+    prof.stop()
+    (trace,) = glob.glob(str(tmp_path / "prof" / "rank3_*_ascend_ms"))
+    files = {p.rsplit("/", 1)[-1] for p in glob.glob(trace + "/**/*", recursive=True)}
+    assert "trace_view.json" in files
+    assert any("memory" in f for f in files), files  # profile_memory reached MindSpore
+
+
+# --- packing padding above 5%: at pack time, from the data side's statistic ---------------
+
+
+def test_padding_above_5_percent_at_pack_time_is_an_event(tmp_path):
+    import numpy as np
+    from mindloom_data import IndexedDatasetBuilder, PackedDataset
+
+    # 40 documents of 6 tokens, seq_length 8: best_fit puts one document in each bin of
+    # 9 tokens (a sample is seq_length + 1), so 6 of 9 are real (padding_ratio counts the
+    # seq_length input positions: 1 - 5/8 = 37.5%); concat packs them without padding
+    b = IndexedDatasetBuilder(tmp_path / "short")
+    for i in range(40):
+        b.add_document(np.arange(i, i + 6, dtype=np.int32) % 50)
+    b.finalize()
+    lines: list[str] = []
+    mon = HealthMonitor(HealthConfig(), lines.append)
+    best = PackedDataset(tmp_path / "short", 8, mode="best_fit", num_samples=20, eos_id=0,
+                         cache_dir=None)  # fmt: skip
+    (ev,) = mon.check_packing(best, "train", 0)
+    assert ev["rule"] == "padding" and ev["value"] == pytest.approx(3 / 8)
+    assert ev["advice"] == RULES["padding"] and "37.5% of the train dataset" in ev["reason"]
+    assert lines[0] == "data: train packed best_fit: padding 37.50%, 5.0 tokens per sample of 8"
+    concat = PackedDataset(tmp_path / "short", 8, mode="concat", num_samples=20, cache_dir=None)
+    assert mon.check_packing(concat, "train", 0) == []
+    assert lines[-1].startswith("data: train packed concat: padding 0.00%")

@@ -42,16 +42,27 @@ def test_numerics_per_layer_match_numpy():
             return total
 
     weights = ms.ParameterTuple(params)
-    step = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False), numerics=True)
+    # the runner's pair: the plain step, and the numerics graph it runs at log steps, which
+    # updates the same moments (share=); here step 1 is plain, steps 2 and 3 log steps
+    plain = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False))
+    step = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False), numerics=True,
+                       share=plain)  # fmt: skip
     dummy = Tensor(np.zeros(1, np.float32))
     rng = np.random.default_rng(0)
-    for adam_step, mag in enumerate((3.0, 0.05), 1):  # clipped, then not
+    np_m = [np.zeros(sh) for sh in shapes]  # NumPy's first moment: beta1 0.9, clip CLIP
+    for adam_step, mag in enumerate((3.0, 3.0, 0.05), 1):  # clipped twice, then not
         grads = [(rng.standard_normal(s) * mag / np.sqrt(sum(sizes))).astype(np.float32)
                  for s in shapes]  # fmt: skip
         before = [p.asnumpy().copy() for p in params]
         h = S.hyper_vector(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                            adam_step=adam_step, clip=CLIP, spike=None, loss_scale=SCALE)  # fmt: skip
         flat = Tensor(np.concatenate([g.reshape(-1) for g in grads]))
+        total = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
+        clip_f = min(CLIP / (total + 1e-6), 1.0)
+        np_m = [0.9 * m + 0.1 * g * clip_f for m, g in zip(np_m, grads, strict=True)]
+        if adam_step == 1:
+            assert bool(plain(flat, dummy, dummy, dummy, dummy, h)[2].asnumpy())
+            continue
         _, _, ok, _, rows = step(flat, dummy, dummy, dummy, dummy, h)
         assert bool(ok.asnumpy())
         got = S.layer_numerics(names, sizes, rows.asnumpy())
@@ -71,5 +82,91 @@ def test_numerics_per_layer_match_numpy():
             assert got["param_norm_layers"][layer] == pytest.approx(wn, rel=1e-5)
             assert un > 0 and got["update_ratio_layers"][layer] == pytest.approx(un / wn, rel=1e-4)
             assert got["adam_m_layers"][layer] == pytest.approx(m, rel=1e-5)
+            want_m = sum(float(np.abs(np_m[i]).sum()) for i in idx) / n  # plain step's too
+            assert got["adam_m_layers"][layer] == pytest.approx(want_m, rel=1e-4)
             assert got["adam_sqrt_v_layers"][layer] == pytest.approx(v, rel=1e-5)
         assert len(got["grad_norm_layers"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# MaxLogits (monitor.max_logits): the largest attention logit per layer and the fraction
+# of tokens whose top output logit exceeds a bound, against a NumPy Llama forward
+
+
+def _np_rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _np_rope(x, pos, theta):
+    # Hugging Face's rotate_half layout: element i pairs with i + Dh/2
+    dh = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh)
+    ang = pos[:, None, :, None] * np.concatenate([inv, inv])  # [B, 1, S, Dh]
+    rot = np.concatenate([-x[..., dh // 2 :], x[..., : dh // 2]], -1)
+    return x * np.cos(ang) + rot * np.sin(ang)
+
+
+def numpy_max_logits(w, cfg, tokens, pos, seg):
+    """Per layer the max of q.k/sqrt(Dh) over allowed pairs (causal, same document),
+    and each token's top output logit [B, S]; float64 throughout."""
+    b, s = tokens.shape
+    h, kvh, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    allowed = np.tril(np.ones((s, s), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    x = w["embed.weight"][tokens]
+    tops = []
+    for i in range(cfg.num_layers):
+        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: B023,E731
+        a = _np_rms(x, p("attn_norm.weight"), cfg.rms_norm_eps)
+        q = (a @ p("attn.wq.weight").T).reshape(b, s, h, dh).transpose(0, 2, 1, 3)
+        k = (a @ p("attn.wk.weight").T).reshape(b, s, kvh, dh).transpose(0, 2, 1, 3)
+        v = (a @ p("attn.wv.weight").T).reshape(b, s, kvh, dh).transpose(0, 2, 1, 3)
+        q, k = _np_rope(q, pos, cfg.rope_theta), _np_rope(k, pos, cfg.rope_theta)
+        k, v = np.repeat(k, h // kvh, axis=1), np.repeat(v, h // kvh, axis=1)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(dh)  # [B, H, S, S]
+        tops.append(scores[np.broadcast_to(allowed[:, None], scores.shape)].max())
+        scores = np.where(allowed[:, None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = (probs @ v).transpose(0, 2, 1, 3).reshape(b, s, h * dh)
+        x = x + o @ p("attn.wo.weight").T
+        m = _np_rms(x, p("mlp_norm.weight"), cfg.rms_norm_eps)
+        g = m @ p("mlp.w1.weight").T
+        x = x + ((g / (1 + np.exp(-g))) * (m @ p("mlp.w3.weight").T)) @ p("mlp.w2.weight").T
+    head = w.get("lm_head.weight", w["embed.weight"])
+    logits = _np_rms(x, w["norm.weight"], cfg.rms_norm_eps) @ head.T
+    return np.array(tops), logits.max(-1)
+
+
+def test_max_logits_match_numpy_on_a_fixed_batch():
+    import mindspore as ms
+    from mindloom_model import Llama, get_preset
+    from mindloom_train._numerics import logit_stats
+    from mindspore import Tensor
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    cfg = get_preset("debug", vocab_size=64, init_std=0.3)  # large weights: logits far from 0
+    model = Llama(cfg)
+    w = {p.name: p.asnumpy().astype(np.float64) for p in model.get_parameters()}
+    rng = np.random.default_rng(7)
+    b, s = 2, 16
+    tokens = rng.integers(0, 64, (b, s)).astype(np.int32)
+    # two documents in row 0 (positions restart), one in row 1; the last 3 tokens masked
+    seg = np.zeros((b, s), np.int32)
+    seg[0, 9:] = 1
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    pos[0, 9:] -= 9
+    mask = np.ones((b, s), np.float32)
+    mask[1, -3:] = 0.0
+    want_tops, top_out = numpy_max_logits(w, cfg, tokens, pos, seg)
+    # the bound halfway between two neighbouring top logits near the median: the fraction
+    # is neither 0 nor 1 and no token sits within rounding of the bound
+    srt = np.sort(top_out.ravel())
+    at = int(np.argmax(np.diff(srt[len(srt) // 4 : 3 * len(srt) // 4]))) + len(srt) // 4
+    bound = float((srt[at] + srt[at + 1]) / 2)
+    want_frac = float(((top_out > bound) * mask).sum() / mask.sum())
+    assert 0.1 < want_frac < 0.9, want_frac
+    stats = logit_stats(model, bound)
+    tops, frac = stats(Tensor(tokens), Tensor(pos), Tensor(seg), Tensor(mask))
+    np.testing.assert_allclose(tops.asnumpy(), want_tops, rtol=1e-4)
+    assert float(frac.asnumpy()) == pytest.approx(want_frac, abs=1e-6)
+    assert len(want_tops) == 2 and abs(want_tops[0] - want_tops[1]) > 1e-3

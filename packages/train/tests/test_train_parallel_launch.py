@@ -288,3 +288,35 @@ def test_chunked_checkpoint_of_a_4_rank_layout_loads_global_tensors(tmp_path, ti
     owners = zero_owners(sizes, 2)
     load = [sum(s for s, o in zip(sizes, owners) if o == r) for r in (0, 1)]
     assert set(owners) == {0, 1} and abs(load[0] - load[1]) <= max(sizes)
+
+
+_PEAK_LINE = r"memory: peak RSS ([\d.]+) MiB on rank (\d+); estimate ([\d.]+) MiB"
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "zero1"])
+def test_launch_memory_per_rank_and_estimate_within_20_percent(runs, layout):
+    """Issue 18 on the same launches: every rank's memory and samples/s in the records
+    (`*_ranks`), and each worker's peak RSS (its log's last `memory:` line) within 20% of
+    the estimate for the layout's most-loaded rank."""
+    import re
+
+    recs = step_records(runs[layout])
+    for rec in recs.values():
+        assert len(rec["mem_rss_mb_ranks"]) == 2 and len(rec["samples_per_s_ranks"]) == 2
+        assert (
+            all(0 < p for p in rec["mem_peak_mb_ranks"]) and "mem_device_peak_mb_ranks" not in rec
+        )
+        assert rec["mem_rss_mb_ranks"][0] == pytest.approx(rec["mem_rss_mb"], rel=0.2)
+        assert all(s > 0 for s in rec["samples_per_s_ranks"])
+    peaks = {}
+    for log in sorted((runs[layout] / "msrun_logs").glob("worker_*.log")):
+        found = re.findall(_PEAK_LINE, log.read_text(errors="replace"))
+        assert found, log
+        peak, rank, est = found[-1]
+        peaks[int(rank)] = (float(peak), float(est))
+    assert sorted(peaks) == [0, 1]
+    print(f"memory {layout}: " + ", ".join(f"rank {r} peak {p:.1f} MiB estimate {e:.1f} MiB"
+                                           for r, (p, e) in sorted(peaks.items())))  # fmt: skip
+    for rank, (peak, est) in peaks.items():
+        assert abs(est - peak) <= 0.2 * peak, (layout, rank, peak, est)

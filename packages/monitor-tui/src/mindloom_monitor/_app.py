@@ -4,231 +4,41 @@ second, and only when something changed."""
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Grid, Vertical, VerticalScroll
-from textual.message import Message
-from textual.reactive import reactive
-from textual.screen import ModalScreen
-from textual.widget import Widget
 from textual.widgets import Footer, Log, RichLog, Static
-from textual_plotext import PlotextPlot
 
-from mindloom_monitor._health import health_lines
-from mindloom_monitor._moe import SHADES, heat_cells
-from mindloom_monitor._source import CONFIG, METRICS, Batch, RunSource, apply_batch
-from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration, fmt_num
-
-RANGES: tuple[int | None, ...] = (None, 1000, 100)  # "all", then the last N steps
-PANES = ("plots", "events", "log")
-MOE_PANE = "moe"  # a fourth pane, offered only while the selected run has MoE fields
-HEALTH_PANE = "health"  # offered while the selected run has health fields or alerts
-PANE_LABELS = {"plots": "Plots", "events": "Events", "log": "Log", MOE_PANE: "MoE",
-               HEALTH_PANE: "Health"}  # fmt: skip
-PANE_KEYS = {"plots": 1, "events": 2, "log": 3, MOE_PANE: 4, HEALTH_PANE: 5}
-LOG_KEEP = 2000  # lines of train.log kept per run
-EVENT_STYLE = {"info": "", "warn": "yellow", "error": "bold red"}
-PALETTE = ("cyan", "orange", "green", "magenta", "blue", "red")
-CONFIG_MAX = 1 << 20
-PLOT_LIMIT = 1e100  # larger magnitudes are left out of the plots (they stay in the events)
-
-
-class RunBatch(Message):
-    """New data for one run, coalesced by the watcher."""
-
-    def __init__(self, index: int, batch: Batch) -> None:
-        super().__init__()
-        self.index = index
-        self.batch = batch
+from mindloom_monitor._panes import PaneDrawing
+from mindloom_monitor._source import METRICS, RunSource, apply_batch
+from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration
+from mindloom_monitor._widgets import (  # noqa: F401 (heat_text, PLOT_LIMIT: older import paths)
+    HEALTH_PANE,
+    LOG_KEEP,
+    MOE_PANE,
+    PANE_KEYS,
+    PANE_LABELS,
+    PANES,
+    PLOT_LIMIT,
+    RANGES,
+    ConfigScreen,
+    HeaderBar,
+    MetricPlot,
+    RunBatch,
+    Watcher,
+    WatcherError,
+    fmt_imbalance,
+    heat_text,
+)
 
 
-class WatcherError(Message):
-    def __init__(self, index: int, text: str) -> None:
-        super().__init__()
-        self.index = index
-        self.text = text
-
-
-class Watcher:
-    """Polls every source with `stat` from one thread: fast while lines arrive, backing
-    off to `max_interval` when idle, so an idle monitor costs a few syscalls a second."""
-
-    def __init__(
-        self, app: App, sources: list[RunSource], interval: float, max_interval: float
-    ) -> None:
-        self.app = app
-        self.sources = sources
-        self.interval = interval
-        self.max_interval = max_interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mindloom-watcher", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for src in self.sources:
-            src.close()
-
-    def _call(self, index: int, fn) -> bool:
-        try:
-            batch = fn()
-        except Exception as exc:  # a bad file must never take the app down
-            self.app.post_message(WatcherError(index, f"{type(exc).__name__}: {exc}"))
-            return False
-        if batch:
-            self.app.post_message(RunBatch(index, batch))
-            return True
-        return False
-
-    def _run(self) -> None:
-        for i, src in enumerate(self.sources):
-            if self._stop.is_set():
-                return
-            if not self._call(i, src.initial):
-                self.app.post_message(RunBatch(i, Batch(initial=True)))
-        delay = self.interval
-        while not self._stop.wait(delay):
-            busy = False
-            for i, src in enumerate(self.sources):
-                busy |= self._call(i, src.poll)
-            delay = self.interval if busy else min(delay * 1.5, self.max_interval)
-
-
-class MetricPlot(PlotextPlot):
-    """A plotext plot that is rebuilt only when its data changes."""
-
-    x_range: tuple[int, int] | None = None  # steps shown, for tests and the curious
-
-    def draw(self, title: str, lines: list[tuple[str, list, list, str, str, str]]) -> None:
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
-        plt.title(title)
-        self.x_range = None
-        for label, xs, ys, side, color, kind in lines:
-            if any(abs(y) > PLOT_LIMIT for y in ys):  # plotext overflows on such ranges
-                pts = [(x, y) for x, y in zip(xs, ys) if abs(y) <= PLOT_LIMIT]
-                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            if not xs:
-                continue
-            lo, hi = (xs[0], xs[-1]) if self.x_range is None else self.x_range
-            self.x_range = (min(lo, xs[0]), max(hi, xs[-1]))
-            label = label or None  # plotext draws a legend entry for any label given
-            if kind == "scatter":
-                plt.scatter(xs, ys, label=label, yside=side, color=color, marker="dot")
-            else:
-                plt.plot(xs, ys, label=label, yside=side, color=color, marker="braille")
-        self.refresh()
-
-    def render(self):
-        try:
-            return super().render()
-        except Exception as exc:  # never let one odd series take the app down
-            return Text(f"cannot draw this plot: {type(exc).__name__}: {exc}", style="red")
-
-
-def heat_text(data: RunData, width: int) -> Text:
-    """The expert-load heat map of a run's newest `moe_load`: one row per MoE layer,
-    one character per expert (or per group of neighbours when they do not fit), shaded
-    by the expert's share against an even share (SHADES), the row's max/mean at the
-    end, and the legend."""
-    t = Text(no_wrap=True, overflow="crop")
-    load = data.moe_load
-    if load is None:
-        t.append("no expert loads yet (moe_load)", style="dim")
-        return t
-    n_exp = len(load[0])
-    label_w = len(f"L{len(load) - 1}") + 1
-    cols, group = heat_cells(load, max(4, width - label_w - 7))
-    per = "" if group == 1 else f", {group} a cell"
-    t.append(f"step {data.moe_step}: {len(load)} layers x {n_exp} experts{per}\n")
-    ruler = [" "] * len(cols[0])
-    for i in range(0, len(ruler), 4):
-        mark = str(i * group)
-        if i + len(mark) <= len(ruler):
-            ruler[i : i + len(mark)] = mark
-    t.append(" " * label_w + "".join(ruler) + "\n", style="dim")
-    imb = data.moe_imbalance or []
-    for layer, cells in enumerate(cols):
-        t.append(f"L{layer}".ljust(label_w), style="dim")
-        for c in cells:
-            char, style, _ = SHADES[c]
-            t.append(char, style=style)
-        t.append(f" {fmt_imbalance(imb[layer])}" if layer < len(imb) else "")
-        t.append("\n")
-    for i, (char, style, what) in enumerate(SHADES):
-        t.append(char, style=style)
-        t.append(f" {what}" + ("\n" if i == 2 else "  "))
-    t.append("of an even share; max/mean", style="dim")
-    return t
-
-
-def fmt_imbalance(x: float) -> str:
-    return f"{x:.2f}" if math.isfinite(x) else fmt_num(x)
-
-
-class HeaderBar(Widget):
-    """Two fixed lines. A reactive repaints only when the text changes (rich Text
-    compares text and styles), and without a layout pass: `Static.update` relayouts
-    the screen, which at 1 Hz was most of the idle CPU."""
-
-    text: reactive[Text] = reactive(Text, layout=False)
-
-    def show(self, text: Text) -> None:
-        self.text = text
-
-    def render(self) -> Text:
-        return self.text
-
-
-class ConfigScreen(ModalScreen):
-    """The run's resolved config.yaml, shown as written (no YAML library needed)."""
-
-    BINDINGS = [Binding("escape,c", "dismiss", "Close")]
-    DEFAULT_CSS = """
-    ConfigScreen { align: center middle; }
-    #config-box { width: 90%; height: 90%; border: round $accent; background: $surface; }
-    #config-scroll { height: 1fr; }
-    """
-
-    def __init__(self, run_dir: str) -> None:
-        super().__init__()
-        self.path = os.path.join(run_dir, CONFIG)
-
-    def _content(self):
-        try:
-            with open(self.path, "rb") as fh:
-                raw = fh.read(CONFIG_MAX + 1)
-        except FileNotFoundError:
-            return Text(f"{CONFIG} not found (the trainer writes it at start): {self.path}")
-        except OSError as exc:
-            return Text(f"{CONFIG} unreadable ({exc.strerror}): {self.path}")
-        text = raw[:CONFIG_MAX].decode("utf-8", "replace")
-        if len(raw) > CONFIG_MAX:
-            text += "\n# ... (truncated at 1 MiB)"
-        return Syntax(text, "yaml", theme="ansi_dark", line_numbers=False, word_wrap=False)
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="config-box") as box:
-            box.border_title = self.path
-            box.border_subtitle = "esc / c: close"
-            with VerticalScroll(id="config-scroll"):
-                yield Static(self._content(), id="config-text")
-
-
-class MonitorApp(App):
+class MonitorApp(PaneDrawing, App):
     TITLE = "mindloom-monitor"
     ENABLE_COMMAND_PALETTE = False
     CSS = """
@@ -536,108 +346,6 @@ class MonitorApp(App):
         """Every run read and everything received drawn (tests wait on this)."""
         key = (self.selected, self.overlay, self.last_n, self.size, *(r.version for r in self.runs))
         return self.loaded == len(self.runs) and not self._redraw_pending and key == self._drawn
-
-    def _draw_plots(self) -> None:
-        n = self.last_n
-        buckets = max(50, self.size.width)
-        runs = (
-            list(enumerate(self.runs))
-            if self.overlay
-            else [(self.selected, self.runs[self.selected])]
-        )
-        loss, lr, grad, thr = [], [], [], []
-        for i, data in runs:
-            # One run: no legend (the titles say what is what), so the plots keep their
-            # room at 80x24. Overlay: the run names label the main series.
-            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
-            name = data.name if self.overlay else ""
-            if not self.overlay:
-                loss.append(("", *data.view("loss", n, buckets), "left", "gray", "line"))
-            loss.append((name, *data.view("smoothed", n, buckets), "left", color, "line"))
-            ppl_color = color if self.overlay else "red"
-            loss.append(("", *data.view("ppl", n), "right", ppl_color, "scatter"))
-            lr.append((name, *data.view("lr", n, buckets), "left", color, "line"))
-            grad.append((name, *data.view("grad_norm", n, buckets), "left", color, "line"))
-            thr.append((name, *data.view("tokens_per_s", n, buckets), "left", color, "line"))
-            xs, ys = data.view("mfu", n, buckets)
-            mfu_color = color if self.overlay else "green"
-            thr.append(("", xs, [100 * y for y in ys], "right", mfu_color, "line"))
-        wide = self.size.width >= 120
-        if self.overlay:
-            loss_title = "smoothed loss · eval ppl (dots, right)" if wide else "smoothed · ppl (r)"
-        else:
-            loss_title = (
-                "loss (grey), smoothed · eval ppl (dots, right)"
-                if wide
-                else "loss, smoothed · ppl (r)"
-            )
-        thr_title = "tokens/s · MFU % (right)" if wide else "tokens/s · MFU % (r)"
-        self.query_one("#plot-loss", MetricPlot).draw(loss_title, loss)
-        self.query_one("#plot-lr", MetricPlot).draw("learning rate", lr)
-        self.query_one("#plot-grad_norm", MetricPlot).draw("grad norm", grad)
-        self.query_one("#plot-throughput", MetricPlot).draw(thr_title, thr)
-        if any(data.has_moe for _, data in runs):
-            self._draw_moe(runs, n, buckets)
-        if any(data.has_health for _, data in runs):
-            self._draw_health(runs, n, buckets)
-
-    def _draw_health(self, runs, n, buckets) -> None:
-        comm, wait, mem = [], [], []
-        for i, data in runs:
-            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
-            name = data.name if self.overlay else ""
-            for out, key in ((comm, "comm_share"), (wait, "data_wait_frac")):
-                xs, ys = data.view(key, n, buckets)
-                out.append((name, xs, [100 * y for y in ys], "left", color, "line"))
-            mem.append((name, *data.view("mem_rss_mb", n, buckets), "left", color, "line"))
-        self.query_one("#plot-comm_share", MetricPlot).draw("communication % of step", comm)
-        self.query_one("#plot-data_wait", MetricPlot).draw("data wait % of step", wait)
-        self.query_one("#plot-mem", MetricPlot).draw("RSS MiB (rank 0)", mem)
-        width = max(10, self.size.width // 2 - 12)
-        text = "\n".join(health_lines(self.runs[self.selected], width=width))
-        self.query_one("#health-text", Static).update(Text(text))
-
-    def _draw_moe(self, runs, n, buckets) -> None:
-        imb, mtp = [], []
-        for i, data in runs:
-            color = PALETTE[i % len(PALETTE)] if self.overlay else "cyan"
-            name = data.name if self.overlay else ""
-            imb.append(
-                (name, *data.view("moe_imbalance_overall", n, buckets), "left", color, "line")
-            )
-            mtp.append((name, *data.view("mtp_loss", n, buckets), "left", color, "line"))
-        self.query_one("#plot-moe_imbalance", MetricPlot).draw("expert load max/mean, overall", imb)
-        self.query_one("#plot-mtp_loss", MetricPlot).draw("MTP loss", mtp)
-        # the heat map takes half the width in both layouts; from the app's size, since a
-        # hidden pane has none
-        width = self.size.width // 2 - 2
-        self.query_one("#moe-heat-text", Static).update(heat_text(self.runs[self.selected], width))
-
-    def _format_event(self, ev) -> Text:
-        where = f"{ev.step:>7}" if ev.step is not None else "      -"
-        t = Text(no_wrap=True)
-        t.append(where, style="dim")
-        t.append(f" {ev.kind:<15}", style=EVENT_STYLE.get(ev.level, "") or "bold")
-        t.append(ev.text, style=EVENT_STYLE.get(ev.level, ""))
-        return t
-
-    def _draw_events(self, full: bool = False) -> None:
-        widget = self.query_one("#events", RichLog)
-        events = self.runs[self.selected].events
-        if full or self._events_drawn > len(events):
-            widget.clear()
-            self._events_drawn = 0
-        for ev in events[self._events_drawn :]:
-            widget.write(self._format_event(ev))
-        self._events_drawn = len(events)
-
-    def _draw_log(self) -> None:
-        widget = self.query_one("#log", Log)
-        lines = self.logs[self.selected]
-        # The deque drops old lines, so a position is not stable: redraw the whole tail
-        # when it changed (at most a few times a second, a few thousand short lines).
-        widget.clear()
-        widget.write_lines(list(lines))
 
     def _full_redraw(self) -> None:
         self._drawn = ()

@@ -95,9 +95,20 @@ def health_lines(data: RunData, width: int = 60, alerts: int = 10) -> list[str]:
         mem = _latest(data, "mem_rss_mb")
         if mem is not None:
             out.append(f"memory RSS (step {mem[0]}): rank 0 {fmt_num(mem[1], 5)} MiB")
+    for key, title in (("mem_peak_mb_ranks", "peak memory RSS MiB per rank"),
+                       ("mem_device_peak_mb_ranks", "device memory peak MiB per rank"),
+                       ("samples_per_s_ranks", "samples/s per rank")):  # fmt: skip
+        ranks = data.ranks.get(key)
+        if ranks is not None:
+            per = " ".join(f"r{i} {fmt_num(v, 5)}" for i, v in enumerate(ranks[1]))
+            out.append(f"{title} (step {ranks[0]}): {per}")
     top = _latest(data, "max_logit")
     if top is not None:
-        out.append(f"max attention logit (step {top[0]}): {fmt_num(top[1])}")
+        line = f"max attention logit (step {top[0]}): {fmt_num(top[1])}"
+        frac = _latest(data, "logits_over_bound_frac")
+        if frac is not None:
+            line += f"  tokens over the output-logit bound: {_pct(frac[1])}"
+        out.append(line)
     for key in HEAT_KEYS:
         out.extend(heat_rows(data, key, width))
     return out

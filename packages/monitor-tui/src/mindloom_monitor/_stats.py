@@ -14,16 +14,21 @@ import os
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from statistics import median
 
+from mindloom_monitor._fmt import _finite, downsample, fmt_count, fmt_duration, fmt_num  # noqa: F401 (imported from here)
 from mindloom_monitor._moe import imbalance, overall_imbalance
 from mindloom_monitor._records import Event, Metric, Record
+from mindloom_monitor._runevents import (
+    MAX_ALERTS,  # noqa: F401 (imported from here)
+    EventEntry,
+    RunEvents,
+)
 
 MAX_EVENTS = 20_000  # per run; the oldest half is dropped beyond this
-MAX_ALERTS = 200  # health alerts kept per run
 # Series kept per run, in plotting order.
 SERIES = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mtp_loss", "moe_imbalance_overall",
-          "comm_share", "data_wait_frac", "mem_rss_mb", "max_logit")  # fmt: skip
+          "comm_share", "data_wait_frac", "mem_rss_mb", "max_logit",
+          "logits_over_bound_frac")  # fmt: skip
 HEAT_STEPS = 400  # per-layer lists kept per run (the layer x step heat maps)
 
 
@@ -38,75 +43,7 @@ class Settings:
     max_points: int = 40_000  # per series; older points are thinned beyond this
 
 
-@dataclass(slots=True)
-class EventEntry:
-    kind: str
-    step: int | None
-    time: float | None
-    text: str
-    level: str = "info"  # info | warn | error
-
-
-def fmt_num(x: float | None, digits: int = 4) -> str:
-    if x is None:
-        return "-"
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "Inf" if x > 0 else "-Inf"
-    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e6):
-        return f"{x:.2e}"
-    return f"{x:.{digits}g}"
-
-
-def fmt_count(x: float | None) -> str:
-    """4920000 -> '4.92M'."""
-    if x is None or not math.isfinite(x):
-        return "-"
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return f"{x:.0f}"
-
-
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "-"
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if d:
-        return f"{d}d{h:02d}h{m:02d}m"
-    return f"{h}:{m:02d}:{s:02d}"
-
-
-def downsample(xs: list, ys: list, buckets: int) -> tuple[list, list]:
-    """Min/max per bucket, in x order: keeps spikes that plain striding would drop."""
-    n = len(xs)
-    if n <= 2 * buckets or buckets <= 0:
-        return list(xs), list(ys)
-    out_x: list = []
-    out_y: list = []
-    size = n / buckets
-    for b in range(buckets):
-        lo, hi = int(b * size), int((b + 1) * size)
-        if hi <= lo:
-            continue
-        seg = ys[lo:hi]
-        i_min = min(range(len(seg)), key=seg.__getitem__)
-        i_max = max(range(len(seg)), key=seg.__getitem__)
-        for i in sorted({i_min, i_max}):
-            out_x.append(xs[lo + i])
-            out_y.append(seg[i])
-    return out_x, out_y
-
-
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-class RunData:
+class RunData(RunEvents):
     """Everything the monitor knows about one run directory."""
 
     def __init__(self, run_dir: str, settings: Settings | None = None) -> None:
@@ -202,91 +139,6 @@ class RunData:
             self._seen.add(key)
         self._append(EventEntry(kind, step, time, text, level))
 
-    def _add_event(self, ev: Event) -> None:
-        d = ev.data
-        if ev.kind == "start":
-            total = d.get("total_steps")
-            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
-                self.total_steps = total
-            name = d.get("run_name")
-            if isinstance(name, str) and name:
-                self.name = name
-            self.trainer_health = isinstance(d.get("health"), dict)
-            if ev.time is not None and (self.start_time is None or self.end is not None):
-                self.start_time = ev.time
-            self.end = None
-            text = self.name + (f" ({self.total_steps} steps)" if self.total_steps else "")
-            resumed = d.get("resumed_from")
-            if resumed is not None and not isinstance(resumed, dict | list):
-                text += f", resumed from {resumed}"
-            self._event("start", ev.step, ev.time, text, dedupe=False)
-        elif ev.kind == "eval":
-            loss = d.get("loss")
-            ppl = d.get("ppl")
-            loss = (
-                float(loss)
-                if isinstance(loss, int | float) and not isinstance(loss, bool)
-                else math.nan
-            )
-            if isinstance(ppl, int | float) and not isinstance(ppl, bool):
-                ppl = float(ppl)
-            else:
-                ppl = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.nan
-            if ev.step is not None:
-                self.evals.append((ev.step, loss, ppl))
-            self._event("eval", ev.step, ev.time, f"loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")
-        elif ev.kind == "checkpoint":
-            path = d.get("path")
-            path = path if isinstance(path, str) else ""
-            if d.get("status") == "failed":
-                reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-                self._event("checkpoint", ev.step, ev.time, f"FAILED {reason}".rstrip(), "error")
-            else:
-                self.last_checkpoint = (ev.step, path)
-                self._event("checkpoint", ev.step, ev.time, f"saved {path}".rstrip())
-        elif ev.kind == "anomaly":
-            kind = d.get("kind") if isinstance(d.get("kind"), str) else "anomaly"
-            action = d.get("action") if isinstance(d.get("action"), str) else "reported"
-            value = d.get("value")
-            value = (
-                fmt_num(float(value))
-                if isinstance(value, int | float) and not isinstance(value, bool)
-                else "NaN"
-            )
-            derived = {
-                "nonfinite_loss": "nan",
-                "nonfinite_grad": "nan_grad",
-                "grad_spike": "grad_spike",
-                "loss_spike": "loss_spike",
-            }.get(kind, kind)
-            level = "error" if action == "stopped" or kind.startswith("nonfinite") else "warn"
-            self._event(derived, ev.step, ev.time, f"{kind} {value} ({action})", level)
-        elif ev.kind == "health":
-            rule = d.get("rule") if isinstance(d.get("rule"), str) and d.get("rule") else "health"
-            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-            advice = d.get("advice") if isinstance(d.get("advice"), str) else ""
-            text = reason + (f"; advice: {advice}" if advice else "")
-            self.has_health = True
-            if (rule, ev.step) not in self._seen:
-                self.alerts.append(EventEntry(rule, ev.step, ev.time, text, "warn"))
-                del self.alerts[:-MAX_ALERTS]
-            self._event(rule, ev.step, ev.time, text, "warn")
-        elif ev.kind == "end":
-            self.end = ev
-            status = d.get("status") if isinstance(d.get("status"), str) else "ended"
-            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-            level = "info" if status == "completed" else "error"
-            self._event(
-                "end",
-                ev.step,
-                ev.time,
-                status + (f" ({reason})" if reason else ""),
-                level,
-                dedupe=False,
-            )
-        else:
-            self._event(ev.kind, ev.step, ev.time, "(an event this monitor does not know)")
-
     def _add_metric(self, m: Metric, detect: bool) -> None:
         if self.steps and m.step <= self.steps[-1]:
             # A resumed run repeats steps after its last checkpoint: the new line wins.
@@ -368,79 +220,6 @@ class RunData:
         logits = [v for v in m.lists.get("max_logits", []) if math.isfinite(v)]
         if logits:
             m.fields["max_logit"] = max(logits)
-
-    def _detect(self, m: Metric) -> None:
-        s = self.settings
-        f = m.fields
-        loss = f.get("loss")
-        grad = f.get("grad_norm")
-        if loss is not None and not math.isfinite(loss):
-            self._event("nan", m.step, m.time, f"non-finite loss ({fmt_num(loss)})", "error")
-        elif _finite(loss):
-            win = self._loss_win
-            # the trainer's own rules (one definition, train's _health.py and its per-step
-            # loss_spike anomaly) flag spikes of runs that say so in their start event
-            if len(win) >= 20 and not self.trainer_health:
-                mean = sum(win) / len(win)
-                std = math.sqrt(sum((x - mean) * (x - mean) for x in win) / len(win))
-                if loss > mean + max(s.spike_sigmas * std, 0.05 * abs(mean)):
-                    self._event(
-                        "loss_spike",
-                        m.step,
-                        m.time,
-                        f"loss spike {fmt_num(loss)} (recent mean {fmt_num(mean)})",
-                        "warn",
-                    )
-            win.append(loss)
-        if grad is not None and not math.isfinite(grad):
-            self._event(
-                "nan_grad", m.step, m.time, f"non-finite grad norm ({fmt_num(grad)})", "error"
-            )
-        elif _finite(grad):
-            win = self._grad_win
-            if len(win) >= 10 and not self.trainer_health:
-                med = median(win)
-                if med > 0 and grad > s.grad_spike_factor * med:
-                    self._event(
-                        "grad_spike",
-                        m.step,
-                        m.time,
-                        f"grad norm spike {fmt_num(grad)} (median {fmt_num(med)})",
-                        "warn",
-                    )
-            win.append(grad)
-        skipped = f.get("skipped_steps")
-        if _finite(skipped):
-            skipped = int(skipped)
-            if skipped > self._skipped_steps:
-                self._event(
-                    "skipped",
-                    m.step,
-                    m.time,
-                    f"{skipped - self._skipped_steps} step(s) skipped ({skipped} in total)",
-                    "warn",
-                    dedupe=False,
-                )
-            self._skipped_steps = skipped
-        tps = f.get("tokens_per_s")
-        if _finite(tps):
-            win = self._tps_win
-            if len(win) >= 5:
-                med = median(win)
-                if not self._tps_dropped and tps < (1 - s.drop_frac) * med:
-                    self._tps_dropped = True
-                    self._event(
-                        "throughput_drop",
-                        m.step,
-                        m.time,
-                        f"throughput drop {fmt_count(tps)} tok/s (recent {fmt_count(med)})",
-                        "warn",
-                        dedupe=False,
-                    )
-                elif self._tps_dropped and tps >= (1 - s.drop_frac / 3) * med:
-                    self._tps_dropped = False
-            if not self._tps_dropped:
-                win.append(tps)
 
     def _thin(self) -> None:
         """Halve the resolution of the older half so memory stays bounded on long runs."""

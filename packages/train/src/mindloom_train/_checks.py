@@ -58,6 +58,7 @@ def _check_counts(cfg: Config) -> None:
         ("context.device_id", cfg.context.device_id),
         ("seed", cfg.seed),
         ("profiler.start_step", cfg.profiler.start_step),
+        ("profiler.warmup_steps", cfg.profiler.warmup_steps),
     ]:
         _check(val >= 0, key, val, "must be >= 0")
     if cfg.context.num_threads is not None:
@@ -66,6 +67,7 @@ def _check_counts(cfg: Config) -> None:
     for key, opt in [
         ("training.time_limit_s", t.time_limit_s),
         ("monitor.peak_tflops", cfg.monitor.peak_tflops),
+        ("monitor.output_logit_bound", cfg.monitor.output_logit_bound),
     ]:
         if opt is not None:
             _check(opt > 0, key, opt, "must be > 0 (or null)")

@@ -45,6 +45,9 @@ RULES = {
     "larger micro-batch, or raise parallelism.bucket_size_mb",
     "data_wait": "the data loader cannot keep up: tokenize and pack offline, put the data on "
     "local disk, or give the loader more CPU threads",
+    "padding": "packing pads too much: documents much shorter than seq_length leave bins "
+    "half empty (best_fit); use train_dataset.pack_mode: concat, a shorter seq_length, or "
+    "join short documents before tokenizing",
 }
 
 
@@ -61,10 +64,14 @@ class HealthConfig:
     grad_window: int = 50  # ... over this many log records ...
     grad_persist: int = 3  # ... for this many log records in a row
     max_logit_bound: float = 100.0  # largest attention logit above this
-    max_logit_growth: int = 5  # or rising this many log records in a row and doubled
+    max_logit_growth: int = 5  # or rising this many log records in a row and doubled ...
+    # ... to above this: a fresh model's logits (~0.1) triple while it learns to attend,
+    # which is not the unbounded growth the rule is about (seen on the debug preset)
+    max_logit_floor: float = 5.0
     comm_share: float = 1 / 3  # communication share of the step above this ...
     data_wait: float = 0.1  # data-wait share of the step above this ...
     persist: int = 2  # ... for this many log records in a row
+    padding: float = 0.05  # packed samples' padding share above this (at pack time)
 
 
 def check_config(h: HealthConfig) -> tuple[str, Any, str] | None:
@@ -73,9 +80,11 @@ def check_config(h: HealthConfig) -> tuple[str, Any, str] | None:
                  "persist"):  # fmt: skip
         if getattr(h, name) < 1:
             return f"monitor.health.{name}", getattr(h, name), "must be >= 1"
-    for name in ("flat_min_drop", "cliff_drop", "comm_share", "data_wait"):
+    for name in ("flat_min_drop", "cliff_drop", "comm_share", "data_wait", "padding"):
         if not 0 < getattr(h, name) < 1:
             return f"monitor.health.{name}", getattr(h, name), "must be between 0 and 1"
+    if h.max_logit_floor < 0:
+        return "monitor.health.max_logit_floor", h.max_logit_floor, "must be >= 0"
     for name in ("grad_factor", "max_logit_bound"):
         if getattr(h, name) <= 1:
             return f"monitor.health.{name}", getattr(h, name), "must be > 1"
@@ -123,6 +132,28 @@ class HealthMonitor:
                 self.log(f"health: step {ev['step']} {ev['rule']}: {ev['reason']}; "
                          f"advice: {ev['advice']}")  # fmt: skip
         return record, out
+
+    def check_packing(self, dataset, name: str, step: int) -> list[dict[str, Any]]:
+        """At pack time (before step 1): the padding share of `dataset`'s packed samples
+        (mindloom_data's PackedDataset.stats; each part of a blend), logged, and a
+        `padding` event for each part above `padding`."""
+        parts = getattr(dataset, "datasets", None) or [dataset]
+        out: list[dict[str, Any]] = []
+        for i, part in enumerate(parts):
+            st = part.stats()
+            ratio = float(st["padding_ratio"])
+            label = name if len(parts) == 1 else f"{name} part {i}"
+            if self.log is not None:
+                self.log(f"data: {label} packed {st['mode']}: padding {100 * ratio:.2f}%, "
+                         f"{st['tokens_per_sample']:.1f} tokens per sample of {st['seq_length']}")  # fmt: skip
+            self._latched.discard("padding")  # one verdict per part
+            self._fire(out, "padding", ratio > self.cfg.padding, step, ratio, self.cfg.padding,
+                       f"{100 * ratio:.1f}% of the {label} dataset's packed tokens are padding "
+                       f"(above {100 * self.cfg.padding:g}%)")  # fmt: skip
+        for ev in out:
+            if self.log is not None:
+                self.log(f"health: step {step} padding: {ev['reason']}; advice: {ev['advice']}")
+        return out
 
     # ------------------------------------------------------------------ rules
 
@@ -216,6 +247,7 @@ class HealthMonitor:
             len(hist) > c.max_logit_growth
             and all(b > a for a, b in zip(hist, hist[1:]))
             and hist[-1] >= 2 * hist[0] > 0
+            and hist[-1] > c.max_logit_floor
         )
         if top > c.max_logit_bound:
             why = f"largest attention logit {top:.4g} above the bound {c.max_logit_bound:g}"

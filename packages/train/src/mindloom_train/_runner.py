@@ -24,6 +24,7 @@ import numpy as np
 
 from mindloom_train import _checkpoint as ck
 from mindloom_train._config import Config
+from mindloom_train._rankstats import memory_row, rank_fields
 from mindloom_train._throughput import ThroughputWindow
 
 Flags = Callable[[], tuple[bool, bool]]  # this rank's (stop requested, time limit passed) now
@@ -147,16 +148,50 @@ class CompiledRunner:
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
-            numerics=cfg.monitor.numerics)  # fmt: skip
-        # monitor.numerics: the step's last output, read by the metrics writer at log steps
-        self.numerics = _step.NumericsFields(weights) if cfg.monitor.numerics else None
+            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
+        )
+        self._init_stats(cfg, built, weights, flags, grad_red, loss_red, log)
         self.accum_step = (
             _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
             if self.accum > 1
             else None
         )
         self.eval_step = _step.EvalStep(eval_net, eval_red)
+
+    def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, log) -> None:
+        """monitor.numerics / monitor.max_logits: graphs of their own, run at log steps
+        only (`NumericsFields.wanted`); every other step runs the plain `train_step`."""
+        from mindloom_train import _step
+        from mindloom_train._numerics import NumericsFields, logit_stats
+
+        mon = cfg.monitor
+        self.numerics = self.stats_step = self.logit_stats = None
+        if not (mon.numerics or mon.max_logits):
+            return
+        self.numerics = NumericsFields(weights, mon.log_interval, cfg.training.train_iters)
+        if mon.numerics:  # the same update, also returning the per-tensor statistics
+            self.stats_step = _step.TrainStep(
+                built.loss_net, weights, flags, self.accum, grad_red, loss_red,
+                moe=self.moe_parts, numerics=True, share=self.train_step)  # fmt: skip
+        if mon.max_logits and self.mcfg.family == "llama":
+            self.logit_stats = logit_stats(self.model, mon.output_logit_bound)
+        elif mon.max_logits:
+            log(
+                f"monitor: max_logits is computed for the llama family only, not {self.mcfg.family}"
+            )
+
+    def _log_step_stats(self, step: int, batch, dkey) -> bool:
+        """At a log step: the logit statistics of `batch` (weights before the update);
+        True when the numerics step should run this step."""
+        if self.numerics is None:
+            return False
+        self.numerics.clear()
+        if not self.numerics.wanted(step):
+            return False
+        if self.logit_stats is not None:
+            t = tensors(batch)
+            self.numerics.logits = self.logit_stats(t[0], t[2], t[3], t[4], dkey)
+        return self.stats_step is not None
 
     def _dropout_key(self, step: int, micro: int):
         # masks are a function of (seed, step, micro-batch): a resume that restores the step
@@ -187,8 +222,10 @@ class CompiledRunner:
             h[H_STOP] = _encode_flags(stop, time_up, self.rt.dp_size)
             hyper = Tensor(h)
         dkey = self._dropout_key(inp.step, self.accum - 1)
-        loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.train_step(*tensors(batch), hyper, dkey)
-        if self.numerics is not None:  # the last output; read at the log step only
+        with_numerics = self._log_step_stats(inp.step, batch, dkey)
+        train_step = self.stats_step if with_numerics else self.train_step
+        loss_t, gnorm_t, ok_t, stop_t, *moe_t = train_step(*tensors(batch), hyper, dkey)
+        if with_numerics:  # the last output; read when the record is written
             *moe_t, self.numerics.rows = moe_t
         if moe_t:
             self.moe_window.add(moe_t[0].asnumpy())
@@ -250,7 +287,9 @@ class CompiledRunner:
         record repeats the last probe. One process: 0."""
         if self.rt.world == 1:
             return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
-                    "comm_share_ranks": [0.0]}  # fmt: skip
+                    "comm_share_ranks": [0.0],
+                    **rank_fields([memory_row(window.mean_step_time())],
+                                  self.cfg.training.global_batch_size)}  # fmt: skip
         if self.comm_probe is None:
             return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
                     "comm_share_ranks": None}  # fmt: skip
@@ -264,13 +303,18 @@ class CompiledRunner:
         t0 = time.perf_counter()
         self.comm_probe(self._probe_grads)[0].asnumpy()
         comm = time.perf_counter() - t0
-        ranks = gather_rows([comm, window.mean_step_time()], self.rt.groups.world)
+        # the same all-gather carries each rank's memory and step time (_rankstats)
+        rows = gather_rows([comm, *memory_row(window.mean_step_time())], self.rt.groups.world)
+        ranks = [(r[0], r[4]) for r in rows]
         share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
         return {
             "comm_s": comm,
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [float(c) for c, _ in ranks],
             "comm_share_ranks": share,
+            **rank_fields(
+                [r[1:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
+            ),  # fmt: skip
         }
 
 
@@ -333,14 +377,22 @@ class EngineRunner:
 
     def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
         """Measured around each collective (the engine runs PyNative), this rank and every rank."""
+        from mindloom_parallel import gather_rows
+
         steps = max(window.steps, 1)
-        ranks = self.par.gather_metrics(window.comm_s, window.rank_step_s)
+        # (comm, the engine's step time) and this rank's memory row (_rankstats), gathered
+        rows = gather_rows([window.comm_s, window.rank_step_s,
+                            *memory_row(window.mean_step_time())], self.rt.groups.world)  # fmt: skip
+        ranks = [(float(r[0]), float(r[1])) for r in rows]
         share = [c / s if s > 0 else 0.0 for c, s in ranks]
         return {
             "comm_s": ranks[self.rt.rank][0] / steps,
             "comm_share": share[self.rt.rank],
             "comm_s_ranks": [c / steps for c, _ in ranks],
             "comm_share_ranks": share,
+            **rank_fields(
+                [r[2:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
+            ),  # fmt: skip
         }
 
 

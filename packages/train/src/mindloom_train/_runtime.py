@@ -105,27 +105,38 @@ class Runtime:
 
 
 class Profiler:
-    """MindSpore's profiler over [profiler.start_step, profiler.end_step]; optional, so a
-    profiler failure is a log line, never a failed run."""
+    """MindSpore's profiler over [profiler.start_step, profiler.end_step] on the ranks the
+    section names (`_profiling` maps each key); optional, so a profiler failure is a log
+    line, never a failed run."""
 
-    def __init__(self, cfg: Config, default_dir: str, log: Callable[[str], None]):
+    def __init__(self, cfg: Config, default_dir: str, log: Callable[[str], None], rank: int = 0):
+        from mindloom_train._profiling import profiler_plan
+
         self.cfg = cfg.profiler
-        self.default_dir = default_dir
+        self.device_target = cfg.context.device_target
+        self.plan = profiler_plan(cfg.profiler, rank, default_dir)
         self.log = log
         self._prof = None
 
     def before_step(self, step: int) -> None:
-        if not (self.cfg.enabled and step == self.cfg.start_step):
+        if self.plan is None or step != self.plan.first_step:
             return
         try:
-            import mindspore as ms
+            from mindloom_train._profiling import start
 
-            self._prof = ms.Profiler(output_path=self.cfg.output_dir or self.default_dir)
+            self._prof = start(self.plan, self.device_target)
+            self.log(self.plan.describe())
         except Exception as exc:
             self.log(f"profiler: not started ({exc})")
 
     def after_step(self, step: int) -> None:
-        if step == self.cfg.end_step:
+        if self._prof is None:
+            return
+        try:
+            self._prof.step()
+        except Exception as exc:
+            self.log(f"profiler: step failed ({exc})")
+        if step >= self.plan.end_step:
             self.stop()
 
     def stop(self) -> None:
@@ -134,8 +145,8 @@ class Profiler:
             return
         try:
             prof.stop()
-            prof.analyse()
-            self.log("profiler: trace written")
+            self.log(f"profiler: trace written to {self.plan.output_dir} "
+                     f"({self.plan.worker_name}_*_ascend_ms)")  # fmt: skip
         except Exception as exc:
             self.log(f"profiler: failed to write the trace ({exc})")
 

@@ -174,6 +174,8 @@ class MonitorConfig:
     peak_tflops: float | None = None  # overrides the device peak table (MFU)
     health: HealthConfig = field(default_factory=HealthConfig)  # training-health rules
     numerics: bool = False  # per-layer grad/param norms, update ratio, AdamW moments
+    max_logits: bool = False  # largest attention logit per layer (llama), at log steps
+    output_logit_bound: float = 30.0  # logits_over_bound_frac: top output logit above this
 
 
 @dataclass
@@ -182,6 +184,10 @@ class ProfilerConfig:
     start_step: int = 2
     end_step: int = 4
     output_dir: str | None = None  # null: RUN_DIR/profile
+    warmup_steps: int = 0  # profiled before start_step and dropped (the profiler's start-up)
+    profile_memory: bool = False  # operator memory records
+    with_stack: bool = False  # Python call stacks of the operators
+    ranks: list[int] | None = None  # which ranks profile; null: every rank
 
 
 @dataclass(eq=False)

@@ -101,6 +101,7 @@ class TrainStep(_Base):
         loss_reducer: nn.Cell | None = None,
         moe: nn.Cell | None = None,
         numerics: bool = False,
+        share: TrainStep | None = None,
     ):
         super().__init__(auto_prefix=False)
         self.loss_net = loss_net
@@ -110,6 +111,20 @@ class TrainStep(_Base):
         # returns NUMERICS per parameter tensor (see layer_numerics)
         self.numerics = numerics
         self.accum_steps = accum_steps
+        if share is not None:
+            # a second graph of the same step (numerics on, called at log steps only): it
+            # updates the very same moments and accumulation buffers as `share`
+            self.exp_avg, self.exp_avg_sq, self.acc = share.exp_avg, share.exp_avg_sq, share.acc
+        else:
+            self._own_state(weights, accum_steps)
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.grad_reducer = grad_reducer
+        self.loss_reducer = loss_reducer
+        # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
+        # the expert biases after an applied update
+        self.moe = moe
+
+    def _own_state(self, weights, accum_steps: int) -> None:
         self.exp_avg = ms.ParameterTuple(
             [Parameter(np.zeros(p.shape, np.float32), name="exp_avg." + p.name, requires_grad=False) for p in weights]
         )  # fmt: skip
@@ -122,12 +137,6 @@ class TrainStep(_Base):
             )  # fmt: skip
         else:
             self.acc = None
-        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
-        self.grad_reducer = grad_reducer
-        self.loss_reducer = loss_reducer
-        # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
-        # the expert biases after an applied update
-        self.moe = moe
 
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
@@ -225,51 +234,8 @@ class TrainStep(_Base):
         return ops.stack(rows)
 
 
-# columns of TrainStep's numerics output, per parameter tensor
-NUMERICS = ("grad_sq", "param_sq", "update_sq", "adam_m_abs_mean", "adam_sqrt_v_mean")
-
-
-def layer_numerics(names: list[str], sizes: list[int], rows: np.ndarray) -> dict[str, list]:
-    """Per transformer layer (tensors named `layers.N.*`), from TrainStep's numerics rows:
-    the gradient norm (unscaled, before clipping), the parameter norm before the update,
-    the update/weight ratio |w_after - w_before| / |w_before|, and the element-weighted
-    mean |m| and mean sqrt(v) of the AdamW moments after it."""
-    groups: dict[int, list[int]] = {}
-    for i, name in enumerate(names):
-        parts = name.split(".")
-        if "layers" in parts[:-1]:
-            at = parts.index("layers") + 1
-            if at < len(parts) and parts[at].isdigit():
-                groups.setdefault(int(parts[at]), []).append(i)
-    out: dict[str, list] = {"grad_norm_layers": [], "param_norm_layers": [],
-                            "update_ratio_layers": [], "adam_m_layers": [],
-                            "adam_sqrt_v_layers": []}  # fmt: skip
-    for layer in sorted(groups):
-        idx = groups[layer]
-        r = rows[idx].astype(np.float64)
-        n = np.array([sizes[i] for i in idx], np.float64)
-        w = math.sqrt(r[:, 1].sum())
-        out["grad_norm_layers"].append(math.sqrt(r[:, 0].sum()))
-        out["param_norm_layers"].append(w)
-        out["update_ratio_layers"].append(math.sqrt(r[:, 2].sum()) / w if w > 0 else math.nan)
-        out["adam_m_layers"].append(float((r[:, 3] * n).sum() / n.sum()))
-        out["adam_sqrt_v_layers"].append(float((r[:, 4] * n).sum() / n.sum()))
-    return out
-
-
-class NumericsFields:
-    """The newest step's numerics rows (a Tensor, read only when a record is written) and
-    their per-layer metrics fields."""
-
-    def __init__(self, weights):
-        self.names = [p.name for p in weights]
-        self.sizes = [int(np.prod(p.shape)) for p in weights]
-        self.rows = None
-
-    def fields(self) -> dict[str, list]:
-        if self.rows is None:
-            return {}
-        return layer_numerics(self.names, self.sizes, self.rows.asnumpy())
+# the numerics' host side lives in _numerics (these names stay importable from here)
+from mindloom_train._numerics import NUMERICS, NumericsFields, layer_numerics  # noqa: E402,F401
 
 
 class MeanOver(nn.Cell):

@@ -194,12 +194,15 @@ class Trainer:
         self.evaluator = Evaluator(cfg, eval_data, self.runner, self.built.model,
                                    self._make_loader, self.rt.dp_size, self.log, self.metrics)  # fmt: skip
         flops = self._start_event()
+        if self.metrics.health is not None:  # the padding rule, at pack time
+            for ev in self.metrics.health.check_packing(train_data, "train", self.state.step):
+                self.metrics.write(ev)
         if self.state.step >= t.train_iters:
             self.log(f"run: already at step {self.state.step} of {t.train_iters}; nothing to train")
             return EXIT_OK, "completed", "already complete"
         self.rt.install_signals()
         self.clock = PhaseClock(cfg, self.rt.rank, self.rt.world, self._report_hang)
-        self.profiler = Profiler(cfg, str(self.run_dir / "profile"), self.log)
+        self.profiler = Profiler(cfg, str(self.run_dir / "profile"), self.log, self.rt.rank)
         loader = self._make_loader(train_data, self.state.consumed,
                                    t.train_iters * t.global_batch_size)  # fmt: skip
         try:

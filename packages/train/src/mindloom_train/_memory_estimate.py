@@ -1,0 +1,323 @@
+"""The estimate itself (`_memory`): per-rank bytes for the most-loaded rank of a layout,
+the verdict against the device, and what would make a run fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from mindloom_train._memory_activations import (
+    cpu_graph_intermediates,
+    deepseek_blocks,
+    layer_activation_bytes,
+    llama_block,
+)
+from mindloom_train._memory_advice import _suggestions
+from mindloom_train._memory_devices import (
+    _BYTES,
+    COMPILE_CPU_FIXED,
+    COMPILE_CPU_PER_LAYER,
+    FRAGMENTATION_SHARE,
+    RUNTIME_CPU_BYTES,
+    RUNTIME_CPU_MSRUN_EXTRA,
+    RUNTIME_GPU_BYTES,
+    MiB,
+    Policy,
+    _cfg_error,
+    resolve_device,
+)
+
+# ---------------------------------------------------------------------------------------
+# the estimate
+
+
+@dataclass
+class Estimate:
+    components: dict[str, int]  # bytes per rank, most-loaded rank
+    total: int
+    usable: int
+    device: str
+    device_note: str
+    layout: dict[str, Any]
+    per_layer_activation: int
+    stage_activations: list[int]  # per pipeline stage
+    stage_totals: list[int]
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    @property
+    def verdict(self) -> str:
+        return "fits" if self.fits else "does not fit"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["verdict"] = self.verdict
+        d["fits"] = self.fits
+        return d
+
+
+def _model_config(cfg, vocab_size: int | None):
+    """ModelConfig of the run (any family: the estimate covers deepseek_v3 too)."""
+    from mindloom_model import ModelConfig, get_preset
+
+    from mindloom_train._modelcfg import _DTYPE, _RECOMPUTE, _overrides
+
+    if vocab_size is None and cfg.model.get("vocab_size") is None:
+        vocab_size = _tokenizer_vocab(cfg)
+    over = _overrides(cfg.model, vocab_size, cfg.train_dataset.seq_length)
+    over["compute_dtype"] = _DTYPE[cfg.precision.compute_dtype]
+    if cfg.recompute.mode != "none":
+        over["recompute"] = _RECOMPUTE[cfg.recompute.mode]
+        over["recompute_layers"] = list(cfg.recompute.layers)
+    try:
+        preset = cfg.model.get("preset")
+        return get_preset(preset, **over) if preset else ModelConfig(**over)
+    except (ValueError, TypeError) as exc:
+        raise _cfg_error(f"config key model: {exc}") from None
+
+
+def _tokenizer_vocab(cfg) -> int | None:
+    """The vocabulary of the run's tokenizer: the one at tokenizer.path when it is there,
+    else the size the run would train (tokenizer.vocab_size; null: the preset's)."""
+    path = cfg.tokenizer.path
+    if path and os.path.isdir(path):
+        try:
+            from mindloom_tokenizer import Tokenizer
+
+            return Tokenizer.load(path).vocab_size
+        except Exception:  # an unreadable tokenizer is the run's error to report, not ours
+            pass
+    return cfg.tokenizer.vocab_size
+
+
+def _stage_param_sizes(mcfg, tp: int, pp: int) -> list[list[int]]:
+    """Sizes of the local tensors of each pipeline stage (one TP rank)."""
+    if mcfg.family == "llama":
+        from mindloom_parallel import tensor_layout
+
+        specs = tensor_layout(mcfg, {"dp": 1, "tp": tp, "pp": pp}).values()
+        return [
+            [math.prod(sp.local_shape(tp)) for sp in specs if st in sp.pp_stages]
+            for st in range(pp)
+        ]
+    # deepseek_v3: layers split evenly (MTP with the last stage), matrices over TP
+    v, h = mcfg.vocab_size, mcfg.hidden_size
+    head = 0 if mcfg.tie_embeddings else v * h
+    body = mcfg.num_params(include_embeddings=False) - head - h
+    stages = [[int(body / pp / tp)] for _ in range(pp)]
+    stages[0].append(v * h // tp)
+    stages[-1] += [h] + ([head // tp] if head else ([v * h // tp] if pp > 1 else []))
+    return stages
+
+
+def _zero_max_share(sizes: list[int], dp: int, even: bool) -> int:
+    if dp <= 1:
+        return sum(sizes)
+    if even:
+        return math.ceil(sum(sizes) / dp)
+    from mindloom_parallel import zero_owners
+
+    load = [0] * dp
+    for size, owner in zip(sizes, zero_owners(sizes, dp)):
+        load[owner] += size
+    return max(load)
+
+
+def _static_bytes(sizes, policy: Policy, dp, zero, accum_micro) -> dict[str, float]:
+    n = sum(sizes)
+    shard = _zero_max_share(sizes, dp, policy.even_shards) if zero else n
+    per = {"parameters": policy.param, "gradients": policy.grad, "master weights": policy.master,
+           "optimizer states": policy.moments}  # fmt: skip
+    key = {"parameters": "params", "gradients": "grads", "master weights": "master",
+           "optimizer states": "moments"}  # fmt: skip
+    out = {name: (shard if key[name] in policy.sharded else n) * b for name, b in per.items()}
+    out["gradients"] += (n * policy.accum) if accum_micro > 1 else 0
+    return out
+
+
+def estimate(
+    cfg,
+    *,
+    nproc: int | None = None,
+    device: str | None = None,
+    vocab_size: int | None = None,
+    mcfg=None,
+    runtime_bytes: int | None = None,
+    ranks_per_host: int | None = None,
+    suggest: bool = True,
+) -> Estimate:
+    """The per-rank estimate of `cfg` on `nproc` ranks (default: the layout's world)."""
+    if mcfg is None:
+        mcfg = _model_config(cfg, vocab_size)
+    p, t = cfg.parallelism, cfg.training
+    world = nproc or cfg.world_size
+    if world == 1:
+        dp = tp = pp = 1  # one process trains the whole model (parallelism needs msrun)
+        zero, sp = False, False
+    else:
+        dp, tp, pp, zero, sp = p.dp, p.tp, p.pp, p.zero_stage == 1, p.sequence_parallel
+        if dp * tp * pp != world:
+            raise _cfg_error(
+                f"config parallelism: dp*tp*pp = {dp * tp * pp} does not match {world} ranks"
+            )
+    if mcfg.num_layers % pp:
+        raise _cfg_error(f"config parallelism: pp={pp} does not divide {mcfg.num_layers} layers")
+    dname, usable, ddesc, is_cpu = resolve_device(cfg, device, ranks_per_host or world)
+    notes: list[str] = []
+    # compute dtype: the CPU backend has no 16-bit MatMul, the trainer computes in fp32
+    cdt = mcfg.compute_dtype if not is_cpu else "float32"
+    c = _BYTES[cdt]
+    pbytes = _BYTES[mcfg.param_dtype]
+    policy = Policy(param=pbytes, grad=pbytes)
+    b, s = t.micro_batch_size, cfg.train_dataset.seq_length
+    engine = world > 1 and (tp > 1 or pp > 1 or zero)
+    micro = p.micro_batch_num if (p.micro_batch_num > 1 or pp > 1) else cfg.grad_accum_steps
+    if not engine:
+        micro = cfg.grad_accum_steps
+
+    stages = _stage_param_sizes(mcfg, tp, pp)
+    if mcfg.family == "llama":
+        inv_dense = inv_moe = llama_block(mcfg, c)
+        n_moe = 0
+    else:
+        inv_dense, inv_moe = deepseek_blocks(mcfg, c)
+        n_moe = mcfg.num_layers - mcfg.first_k_dense_replace
+        notes.append("deepseek_v3: per-stage parameters split evenly; MoE activations at even load")
+    per_layer_dense = layer_activation_bytes(inv_dense, b, s, tp, sp)
+    per_layer_moe = layer_activation_bytes(inv_moe, b, s, tp, sp)
+    recomputed = set()
+    if mcfg.recompute == "full":
+        recomputed = set(range(mcfg.num_layers))
+    elif mcfg.recompute == "selected":
+        recomputed = set(mcfg.recompute_layers)
+    v_local = mcfg.vocab_size / tp
+    n_tok = b * s
+    from mindloom_parallel import stage_layers
+
+    # MindSpore's CPU backend, compiled step (one process or plain data parallel)
+    cpu_graph = is_cpu and cfg.context.mode == "graph" and not engine
+    stage_act, stage_tot, comps_by_stage = [], [], []
+    for st in range(pp):
+        layers = stage_layers(mcfg.num_layers, pp, st)
+        in_flight = min(pp - st, micro) if pp > 1 else 1
+        act = 0.0
+        recompute_work = 0.0
+        for i in layers:
+            inv = (
+                inv_moe
+                if (mcfg.family != "llama" and i >= mcfg.first_k_dense_replace)
+                else inv_dense
+            )
+            full = layer_activation_bytes(inv, b, s, tp, sp)
+            if i in recomputed and cpu_graph:
+                # the CPU graph keeps every intermediate to the step's end: a recomputed
+                # layer's forward is kept twice, nothing is freed (Llama: op outputs below)
+                act += 2 * full
+            elif i in recomputed:
+                act += layer_activation_bytes(inv, b, s, tp, sp, "full")
+                recompute_work = max(recompute_work, full)  # rebuilt one layer at a time
+            else:
+                act += full
+        # the [B, 1, S, S] fp32 attention bias (segment ids: one per sample) and its masks
+        mask = 6 * b * s * s
+        act = act * in_flight + mask + recompute_work
+        if st == pp - 1:
+            # final norm (fp32 copy + head input), fp32 logits, the loss's exp (kept for its
+            # backward) and the gradient of the logits; a 16-bit head adds its own output
+            depths = 1 + (mcfg.num_nextn_predict_layers if mcfg.family != "llama" else 0)
+            head = n_tok * mcfg.hidden_size * (4 + c) + 3 * 4 * n_tok * v_local
+            if c != 4:
+                head += c * n_tok * v_local
+            act += head * depths
+        # backward transient: the gradient of a layer's largest saved tensor, twice
+        largest = max(x.bytes(b, s, tp, sp) for x in inv_dense + inv_moe)
+        act += 2 * largest
+        if cpu_graph and mcfg.family == "llama":
+            act = mask
+            for i in layers:
+                act += cpu_graph_intermediates(mcfg, b, s, i in recomputed)[0]
+            act += cpu_graph_intermediates(mcfg, b, s, False)[1]
+        comps = _static_bytes(stages[st], policy, dp, zero, micro)
+        # communication: what lives during the backward (TP region all-reduces, pipeline
+        # send/recv) adds to the activations; what lives at the optimizer step, after the
+        # backward freed the activations (the gradient buckets' concatenation and its
+        # all-reduced copy; ZeRO-1's flat vector of the owners' new values and its
+        # all-reduce), counts only where it exceeds them
+        comm = 0.0
+        if tp > 1:
+            comm += 2 * n_tok * mcfg.hidden_size * c
+        if pp > 1:
+            comm += 2 * in_flight * n_tok * mcfg.hidden_size * c
+        step_comm = 0.0
+        if dp > 1:
+            step_comm += 2 * min(p.bucket_size_mb * MiB, sum(stages[st]) * policy.grad)
+        if zero and dp > 1:
+            step_comm = max(step_comm, 2 * sum(stages[st]) * pbytes)
+        comm += max(0.0, step_comm - act)
+        comps["activations"] = act
+        comps["communication buffers"] = comm
+        comps_by_stage.append(comps)
+        stage_act.append(int(act))
+    if runtime_bytes is None:
+        runtime_bytes = (
+            RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if world > 1 else 0)
+            if is_cpu
+            else RUNTIME_GPU_BYTES
+        )
+    for st, comps in enumerate(comps_by_stage):
+        alloc = sum(comps.values())
+        comps["fragmentation reserve"] = FRAGMENTATION_SHARE * alloc
+        comps["runtime"] = runtime_bytes
+        if cpu_graph:
+            n_layers = len(stage_layers(mcfg.num_layers, pp, st))
+            comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
+        stage_tot.append(int(sum(comps.values())))
+    worst = max(range(pp), key=lambda i: stage_tot[i])
+    components = {k: int(v) for k, v in comps_by_stage[worst].items()}
+    if is_cpu and cdt != mcfg.compute_dtype:
+        notes.append(f"CPU: compute in float32 (no {mcfg.compute_dtype} MatMul)")
+    if n_moe:
+        per_layer = int(per_layer_moe)
+    else:
+        per_layer = int(per_layer_dense)
+    est = Estimate(
+        components=components,
+        total=int(sum(components.values())),
+        usable=int(usable),
+        device=dname,
+        device_note=ddesc,
+        layout={
+            "world": world,
+            "dp": dp,
+            "tp": tp,
+            "pp": pp,
+            "zero_stage": int(zero),
+            "sequence_parallel": sp,
+            "micro_batch_size": b,
+            "seq_length": s,
+            "micro_batches": micro,
+            "recompute": mcfg.recompute,
+            "recompute_layers": sorted(recomputed),
+            "most_loaded_stage": worst,
+            "compute_dtype": cdt,
+            "param_dtype": mcfg.param_dtype,
+            "num_params": mcfg.num_params(),
+            "family": mcfg.family,
+        },  # fmt: skip
+        per_layer_activation=per_layer,
+        stage_activations=stage_act,
+        stage_totals=stage_tot,
+        notes=notes,
+    )
+    if suggest and not est.fits:
+        est.suggestions = _suggestions(cfg, est, nproc=world, device=device, mcfg=mcfg,
+                                       runtime_bytes=runtime_bytes, ranks_per_host=ranks_per_host,
+                                       estimate=estimate)  # fmt: skip
+    return est
