@@ -102,6 +102,19 @@ class DecoderLayer(nn.Cell):
         self.resid_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
         self.e = max(cfg.n_routed_experts, 1)
 
+    def recompute_parts(self):
+        """Recompute this layer's attention and its MLP / experts in the backward: the
+        sub-cells, not the whole block. Recomputing the whole block (its norms' custom
+        bprop and the router's stop-gradient loads included) made the compiled train step
+        fail with "Graph cycle exists" when only some layers were recomputed."""
+        self.attn.recompute()
+        if self.is_moe:
+            self.mlp.experts.recompute()
+            if self.mlp.has_shared:
+                self.mlp.shared.recompute()
+        else:
+            self.mlp.recompute()
+
     def ffn(self, x):
         h = self.mlp_norm(x)
         if self.is_moe:
@@ -194,7 +207,7 @@ class DeepseekV3(nn.Cell):
         self.n_moe = len(moe_ids)
         self.moe_index = [i for i in range(cfg.num_layers) if i in moe_ids]
         for i in recompute_layer_ids(cfg):
-            self.layers[i].recompute()
+            self.layers[i].recompute_parts()
 
     def rope(self, position_ids):
         cos, sin = rope_cos_sin(position_ids, self.inv_freq)

@@ -93,20 +93,18 @@ class Experts(nn.Cell):
         self.compute_dtype = compute_dtype
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
 
-    def run_blocks(self, xs, owner):
-        # xs [nb, T, D], owner [nb] int32: block b runs expert owner[b] -> [nb, T, D]
+    def construct(self, xs, owner=None):
+        """xs [E, T, D] (expert e's tokens in row e) -> [E, T, D]; with owner [nb] int32,
+        xs [nb, T, D] is blocks of rows and block b runs expert owner[b] -> [nb, T, D].
+        One cell call either way, so `recompute()` on this cell covers the expert matmuls."""
         cd = self.compute_dtype
-        w1 = ops.gather(self.w1, owner, 0).astype(cd)  # [nb, Fm, D]
-        w3 = ops.gather(self.w3, owner, 0).astype(cd)
-        w2 = ops.gather(self.w2, owner, 0).astype(cd)  # [nb, D, Fm]
-        hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [nb, T, Fm]
-        return self.bmm_t(hid, w2)
-
-    def construct(self, xs):
-        # xs [E, T, D] (each expert's tokens) -> [E, T, D]
-        cd = self.compute_dtype
-        w1, w2, w3 = self.w1.astype(cd), self.w2.astype(cd), self.w3.astype(cd)
-        hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [E, T, Fm]
+        if owner is None:
+            w1, w2, w3 = self.w1.astype(cd), self.w2.astype(cd), self.w3.astype(cd)
+        else:
+            w1 = ops.gather(self.w1, owner, 0).astype(cd)  # [nb, Fm, D]
+            w3 = ops.gather(self.w3, owner, 0).astype(cd)
+            w2 = ops.gather(self.w2, owner, 0).astype(cd)  # [nb, D, Fm]
+        hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [., T, Fm]
         return self.bmm_t(hid, w2)
 
 
@@ -182,7 +180,7 @@ class MoE(nn.Cell):
         bstart = Tensor(np.arange(nb, dtype=np.float32) * t)
         owner = (ops.stop_gradient(ends).expand_dims(0) <= bstart.expand_dims(1)).astype(ms.float32)
         owner = ops.minimum(owner.sum(-1), self.e - 1).astype(ms.int32)  # [nb]
-        ys = self.experts.run_blocks(xs, owner)  # [nb, T, D]
+        ys = self.experts(xs, owner)  # [nb, T, D]
         ys = ops.gather(ys.reshape(p, d), dest, 0)  # [S, D]
         y = (ys.reshape(n, self.k, d) * w.astype(ys.dtype).expand_dims(-1)).sum(1)
         return y
