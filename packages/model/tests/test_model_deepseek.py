@@ -271,8 +271,8 @@ def _torch_loss_and_grads(hf_dir, tok, labels, cfg):
 
 
 def test_recompute_gives_the_loss_and_gradients_of_transformers(tmp_path, monkeypatch):
-    """recompute="full" in the compiled graph (every layer's forward rebuilt in the
-    backward, the MoE layers' tuple outputs included) and recompute="none" (PyNative)
+    """recompute="full" in the compiled graph (each layer's MLA, experts and MLP rebuilt
+    in the backward) and recompute="none" (PyNative)
     both give transformers' loss and gradients on the same weights; the IR shows both
     layers (the dense one and the MoE one) recomputed."""
     import re
