@@ -137,12 +137,15 @@ def test_expert_bias_update_follows_the_sign_rule_and_loads_are_counted():
 
 
 def test_cached_decoding_equals_uncached():
-    cfg = get_preset("deepseek-v3-debug")
+    cfg = get_preset("deepseek-v3-debug", num_layers=2)
     model = DeepseekV3(cfg, seed=5)
     prompt = _tokens(cfg, 2, 5, seed=7)
-    a = generate(model, prompt, 12, temperature=0, use_cache=True)
-    b = generate(model, prompt, 12, temperature=0, use_cache=False)
-    np.testing.assert_array_equal(a, b)
+    a = generate(model, prompt, 6, temperature=0, use_cache=True)  # the compiled decoder
+    # uncached greedy decoding picks, at each position, the argmax of the full forward
+    # over the tokens so far: one causal forward (PyNative) gives all of them
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    full = model(ms.Tensor(a[:, :-1])).asnumpy()
+    np.testing.assert_array_equal(full[:, 4:].argmax(-1), a[:, 5:])
     # and the cache path's logits equal the full forward's at every position
     from mindloom_model._deepseek import MLACachedDecoder, mla_empty_cache
 
@@ -191,28 +194,32 @@ class _LossOnly(ms.nn.Cell):
 
 
 def test_graph_mode_step_equals_pynative_and_capacity_counts_drops():
-    """The compiled train forward+backward gives PyNative's loss; the capacity dispatch
-    (gathers and segment sums) gives the dropless dispatch's loss and gradients when
-    its capacity holds every token, and counts what a small capacity drops."""
-    tok = _tokens(get_preset("deepseek-v3-debug"), 2, 16)
+    """The capacity dispatch (gathers and segment sums), compiled forward+backward, gives
+    the PyNative dropless dispatch's loss and gradients when its capacity holds every
+    token, and counts what a small capacity drops. (The compiled dropless dispatch is
+    held against transformers in the recompute test below.)"""
+    cfg = get_preset("deepseek-v3-debug", num_layers=2)  # one dense, one MoE layer + MTP
+    tok = _tokens(cfg, 2, 16)
     labels = np.roll(tok, -1, 1)
-    cfgs = {"dropless": get_preset("deepseek-v3-debug"),
-            "capacity": get_preset("deepseek-v3-debug", moe_capacity_factor=4.0)}  # fmt: skip
+    cfgs = {"dropless": cfg,
+            "capacity": get_preset("deepseek-v3-debug", num_layers=2, moe_capacity_factor=4.0)}  # fmt: skip
     nets = {k: DeepseekV3WithLoss(DeepseekV3(c, seed=4)) for k, c in cfgs.items()}
-    eager = {k: float(n(ms.Tensor(tok), ms.Tensor(labels))[0]) for k, n in nets.items()}
     out = {}
+
+    def loss_and_grads(net):
+        net.set_train(True)
+        params = net.trainable_params()
+        loss, grads = ms.value_and_grad(_LossOnly(net), None, params)(
+            ms.Tensor(tok), ms.Tensor(labels)
+        )
+        return float(loss), {p.name: g.asnumpy() for p, g in zip(params, grads)}
+
+    out["dropless"] = loss_and_grads(nets["dropless"])  # PyNative
     ms.set_context(mode=ms.GRAPH_MODE)
-    try:
-        for k, net in nets.items():
-            net.set_train(True)
-            params = net.trainable_params()
-            loss, grads = ms.value_and_grad(_LossOnly(net), None, params)(
-                ms.Tensor(tok), ms.Tensor(labels)
-            )
-            out[k] = (float(loss), {p.name: g.asnumpy() for p, g in zip(params, grads)})
+    try:  # one compiled forward+backward: the capacity dispatch
+        out["capacity"] = loss_and_grads(nets["capacity"])
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
-    assert out["dropless"][0] == pytest.approx(eager["dropless"], rel=1e-6)
     assert out["capacity"][0] == pytest.approx(out["dropless"][0], rel=1e-6)
     for name, g in out["dropless"][1].items():
         np.testing.assert_allclose(out["capacity"][1][name], g, atol=1e-6, err_msg=name)
@@ -220,11 +227,11 @@ def test_graph_mode_step_equals_pynative_and_capacity_counts_drops():
     assert np.abs(out["dropless"][1]["layers.1.mlp.gate.weight"]).sum() > 0
     # capacity 0.5 of the even share: at least half of the routed pairs are dropped
     small = DeepseekV3WithLoss(
-        DeepseekV3(get_preset("deepseek-v3-debug", moe_capacity_factor=0.5), seed=4)
+        DeepseekV3(get_preset("deepseek-v3-debug", num_layers=2, moe_capacity_factor=0.5), seed=4)
     )
     small.set_train(True)
     dropped = float(small(ms.Tensor(tok), ms.Tensor(labels))[5])
-    moe_layers = 2 + 1  # two trunk MoE layers and the MTP block
+    moe_layers = 1 + 1  # the trunk MoE layer and the MTP block
     assert dropped >= moe_layers * 0.5 * tok.size * 2 - 3
 
 
@@ -264,13 +271,13 @@ def _torch_loss_and_grads(hf_dir, tok, labels, cfg):
 
 
 def test_recompute_gives_the_loss_and_gradients_of_transformers(tmp_path, monkeypatch):
-    """recompute="full" in the compiled graph (every layer's forward rebuilt in the
-    backward, the MoE layers' tuple outputs included) and recompute="none" (PyNative)
-    both give transformers' loss and gradients on the same weights; the IR shows the
-    three layers recomputed."""
+    """recompute="full" in the compiled graph (each layer's MLA, experts and MLP rebuilt
+    in the backward) and recompute="none" (PyNative)
+    both give transformers' loss and gradients on the same weights; the IR shows both
+    layers (the dense one and the MoE one) recomputed."""
     import re
 
-    cfg = get_preset("deepseek-v3-debug", num_nextn_predict_layers=0)  # HF has no MTP
+    cfg = get_preset("deepseek-v3-debug", num_layers=2, num_nextn_predict_layers=0)  # HF: no MTP
     model = DeepseekV3(cfg, seed=4)
     save_hf(model, tmp_path / "hf")
     tok = _tokens(cfg, 2, 16)
@@ -290,7 +297,7 @@ def test_recompute_gives_the_loss_and_gradients_of_transformers(tmp_path, monkey
         return float(loss), {p.name: g.asnumpy() for p, g in zip(params, grads)}
 
     got = {"none": loss_and_grads(DeepseekV3WithLoss(model))}
-    rc = DeepseekV3(get_preset("deepseek-v3-debug", num_nextn_predict_layers=0,
+    rc = DeepseekV3(get_preset("deepseek-v3-debug", num_layers=2, num_nextn_predict_layers=0,
                                recompute="full"), seed=4)  # fmt: skip
     monkeypatch.setenv("MS_DEV_DUMP_IR_PASSES", "graph_build")  # only the final graph
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -309,7 +316,7 @@ def test_recompute_gives_the_loss_and_gradients_of_transformers(tmp_path, monkey
     assert np.abs(want["layers.1.mlp.gate.weight"]).sum() > 0  # the router is trained
     ir = "".join(p.read_text(errors="ignore") for p in (tmp_path / "ir").rglob("graph_build*.ir"))
     recomputed = re.findall(r"recompute_Default/\S*?layers-CellList/(\d+)-DecoderLayer", ir)
-    assert sorted(set(map(int, recomputed))) == [0, 1, 2]
+    assert sorted(set(map(int, recomputed))) == [0, 1]
 
 
 def test_published_deepseek_v3_sizes():

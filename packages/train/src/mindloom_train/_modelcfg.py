@@ -81,13 +81,6 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         # the MoE layers run on the compiled data-parallel step only (expert parallelism
         # and the PyNative tp/pp/ZeRO-1 engine are not wired for them): refused here, so
         # `mindloom launch` stops before the tokenizer or any worker
-        if cfg.recompute.mode != "none":
-            # the model recomputes correctly (test_model_deepseek.py), but the train step
-            # with a recomputed layer fails to compile: "Graph cycle exists" in AccumStep
-            raise ConfigError(
-                f"config key recompute.mode: {cfg.recompute.mode!r} is not supported for "
-                "family deepseek_v3 yet (the compiled train step does not build); use 'none'"
-            )
         p = cfg.parallelism
         for key, value, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("zero_stage", p.zero_stage, 0)):
             if value != off:

@@ -1,0 +1,156 @@
+"""DeepSeek-V3's multi-head latent attention (MLA) and its RoPE (plain or YaRN).
+
+Shapes: B batch, S sequence, D hidden, H heads, dn / dr per-head query-key widths
+without / with RoPE, dv per-head value width, r kv_lora_rank (the KV latent), rq
+q_lora_rank. Parameter layout in _deepseek.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from mindspore import nn, ops
+
+from mindloom_model._llama import Linear, ModelConfig, RMSNorm, _normal, attention
+
+__all__ = ["MLAttention", "yarn_inv_freq"]
+
+# the norms inside MLA (q_a_norm, kv_a_norm) use DeepSeek's fixed epsilon, not rms_norm_eps
+_LATENT_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------- RoPE (YaRN)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float, float]:
+    """(inv_freq [dr/2] fp32, cos/sin factor, softmax-scale factor) for cfg's RoPE.
+
+    Plain RoPE without rope_scaling. YaRN as Hugging Face computes it: frequencies
+    between the beta_fast and beta_slow rotation counts blend from extrapolated to
+    interpolated (divided by factor); cos/sin scale by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), and the softmax scale by mscale(factor,
+    mscale_all_dim)^2 (DeepSeek's "mscale" attention correction).
+    """
+    dim, base = cfg.qk_rope_head_dim, float(cfg.rope_theta)
+    pos = base ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    rs = cfg.rope_scaling
+    if not rs or rs.get("type", rs.get("rope_type")) != "yarn":
+        return (1.0 / pos).astype(np.float32), 1.0, 1.0
+    factor = float(rs["factor"])
+    orig = float(rs["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    if mscale and mscale_all:
+        cos_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    else:
+        cos_factor = _yarn_mscale(factor)
+
+    def corr_dim(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        max(math.floor(corr_dim(beta_fast)), 0),
+        min(math.ceil(corr_dim(beta_slow)), dim - 1),
+    )
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extra = 1.0 - ramp  # share of the extrapolated (original) frequency
+    inv = (1.0 / (factor * pos)) * (1 - extra) + (1.0 / pos) * extra
+    score_factor = _yarn_mscale(factor, mscale_all) ** 2 if mscale_all else 1.0
+    return inv.astype(np.float32), float(cos_factor), float(score_factor)
+
+
+def _rope_pairs(x, cos, sin, interleave: bool):
+    """x [B, h, S, dr]; cos/sin [B|1, 1, S, dr] (two equal halves).
+
+    interleave: pairs (x0, x1), (x2, x3), ... rotate by one frequency each and the result
+    is laid out as [evens', odds'] (Hugging Face's apply_rotary_pos_emb_interleave);
+    otherwise rotate_half pairs i with i + dr/2 (the Llama layout)."""
+    half = x.shape[-1] // 2
+    if interleave:
+        c, s = cos[..., :half].astype(x.dtype), sin[..., :half].astype(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return ops.concat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
+    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+
+class MLAttention(nn.Cell):
+    """Multi-head latent attention. x [B, S, D] -> [B, S, D].
+
+    Keys and values come from one compressed latent c = kv_a_norm(x W_kv_a)[:r] [B, S, r]
+    and one RoPE key shared by all heads [B, 1, S, dr]; the cache keeps only those two,
+    (r + dr) numbers per token instead of 2 * H * dh.
+    """
+
+    def __init__(self, cfg: ModelConfig, rng, param_dtype, compute_dtype):
+        super().__init__()
+        d, h = cfg.hidden_size, cfg.num_heads
+        self.n_heads = h
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.r = cfg.kv_lora_rank
+        self.interleave = cfg.rope_interleave
+        qk = self.dn + self.dr
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+        def lin(i, o, s=std):
+            return Linear(i, o, _normal(rng, (o, i), s), param_dtype, compute_dtype)
+
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = lin(d, cfg.q_lora_rank)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_EPS, param_dtype)
+            self.q_b_proj = lin(cfg.q_lora_rank, h * qk)
+        else:
+            self.q_proj = lin(d, h * qk)
+        self.kv_a_proj = lin(d, self.r + self.dr)
+        self.kv_a_norm = RMSNorm(self.r, _LATENT_EPS, param_dtype)
+        self.kv_b_proj = lin(self.r, h * (self.dn + self.dv))
+        self.wo = lin(h * self.dv, d, out_std)
+        _, _, score_factor = yarn_inv_freq(cfg)
+        self.scale = qk**-0.5 * score_factor
+        self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+
+    def query(self, x, cos, sin):
+        # x [B, S, D] -> q [B, H, S, dn+dr], RoPE on its last dr
+        b, s, _ = x.shape
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.reshape(b, s, self.n_heads, self.dn + self.dr).transpose(0, 2, 1, 3)
+        return ops.concat(
+            (q[..., : self.dn], _rope_pairs(q[..., self.dn :], cos, sin, self.interleave)), -1
+        )
+
+    def latent(self, x, cos, sin):
+        # x [B, S, D] -> c [B, S, r] (normalised latent), k_rope [B, 1, S, dr] (rotated)
+        b, s, _ = x.shape
+        ckv = self.kv_a_proj(x)  # [B, S, r + dr]
+        c = self.kv_a_norm(ckv[..., : self.r])
+        k_rope = ckv[..., self.r :].reshape(b, 1, s, self.dr)
+        return c, _rope_pairs(k_rope, cos, sin, self.interleave)
+
+    def expand(self, c, k_rope):
+        # c [B, T, r], k_rope [B, 1, T, dr] -> k [B, H, T, dn+dr], v [B, H, T, dv]
+        b, t, _ = c.shape
+        kv = self.kv_b_proj(c).reshape(b, t, self.n_heads, self.dn + self.dv).transpose(0, 2, 1, 3)
+        k_rope = k_rope.broadcast_to((b, self.n_heads, t, self.dr))
+        return ops.concat((kv[..., : self.dn], k_rope), -1), kv[..., self.dn :]
+
+    def attend(self, q, k, v, bias):
+        # -> [B, S, D]
+        o = attention(q, k, v, bias, 1, self.attn_dropout, self.scale)  # [B, H, S, dv]
+        b, h, s, dv = o.shape
+        return self.wo(o.transpose(0, 2, 1, 3).reshape(b, s, h * dv))
+
+    def construct(self, x, cos, sin, bias):
+        q = self.query(x, cos, sin)
+        k, v = self.expand(*self.latent(x, cos, sin))
+        return self.attend(q, k, v, bias)
