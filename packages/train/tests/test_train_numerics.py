@@ -2,9 +2,10 @@
 parameter norms, update/weight ratio and AdamW moment statistics, against NumPy on the
 weights and moments before and after each step.
 
-Like test_train_adamw_reference.py, the loss is linear in the weights, so the gradient is
-exactly the tensor fed in; a loss scale and clipping are active, so unscaling and the
-order of the weight copy against the in-place update are both exercised."""
+Like test_train_adamw_reference.py (the same set-up: train_testutil.linear_loss_setup), the
+loss is linear in the weights, so the gradient is exactly the tensor fed in; a loss scale
+and clipping are active, so unscaling and the order of the weight copy against the
+in-place update are both exercised."""
 
 from __future__ import annotations
 
@@ -16,33 +17,18 @@ SCALE, CLIP = 1024.0, 1.0
 
 def test_numerics_per_layer_match_numpy():
     import mindspore as ms
-    from mindloom_model import Llama, get_preset
     from mindloom_train import _step as S
-    from mindspore import Tensor, nn, ops
+    from mindspore import Tensor
+    from train_testutil import linear_loss_setup
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    params = list(Llama(get_preset("debug", vocab_size=64)).trainable_params())
-    names = [p.name for p in params]
-    shapes = [tuple(p.shape) for p in params]
-    sizes = [int(np.prod(s)) for s in shapes]
-    offsets = tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+    lin = linear_loss_setup()
+    params, names, shapes, sizes = lin.params, lin.names, lin.shapes, lin.sizes
     layer_of = {n: int(n.split(".")[1]) for n in names if n.startswith("layers.")}
     assert sorted(set(layer_of.values())) == [0, 1]
 
-    class LinearLoss(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.ws = ms.ParameterTuple(params)
-
-        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
-            total = ops.zeros((), ms.float32)
-            for i in range(len(sizes)):
-                g = tokens[offsets[i] : offsets[i] + sizes[i]].reshape(shapes[i])
-                total = total + (self.ws[i] * g).sum()
-            return total
-
     weights = ms.ParameterTuple(params)
-    step = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False), numerics=True)
+    step = S.TrainStep(lin.loss_net, weights, S.decay_flags(params, False), numerics=True)
     dummy = Tensor(np.zeros(1, np.float32))
     rng = np.random.default_rng(0)
     for adam_step, mag in enumerate((3.0, 0.05), 1):  # clipped, then not
@@ -51,8 +37,7 @@ def test_numerics_per_layer_match_numpy():
         before = [p.asnumpy().copy() for p in params]
         h = S.hyper_vector(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                            adam_step=adam_step, clip=CLIP, spike=None, loss_scale=SCALE)  # fmt: skip
-        flat = Tensor(np.concatenate([g.reshape(-1) for g in grads]))
-        _, _, ok, _, rows = step(flat, dummy, dummy, dummy, dummy, h)
+        _, _, ok, _, rows = step(lin.flat(grads), dummy, dummy, dummy, dummy, h)
         assert bool(ok.asnumpy())
         got = S.layer_numerics(names, sizes, rows.asnumpy())
         after = [p.asnumpy() for p in params]
