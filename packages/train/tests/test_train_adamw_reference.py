@@ -67,33 +67,17 @@ def _assert_same(names, ms_w, ms_m, ms_v, tp, opt, step):
 def test_compiled_step_matches_torch_adamw(tmp_path):
     import mindspore as ms
     from mindloom_train import _step as S
-    from mindspore import Tensor, nn, ops
+    from mindspore import Tensor
+    from train_testutil import linear_loss_setup
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    model, params = _debug_params()
-    names = [p.name for p in params]
-    shapes = [tuple(p.shape) for p in params]
-    sizes = [int(np.prod(s)) for s in shapes]
-    offsets = tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+    lin = linear_loss_setup()
+    params, names, shapes, sizes = lin.params, lin.names, lin.shapes, lin.sizes
     # independent of decay_flags: every matrix except the embedding (decay_embeddings off)
     decayed = {n for n, s in zip(names, shapes) if len(s) == 2 and n != "embed.weight"}
     assert "lm_head.weight" in decayed and "norm.weight" not in decayed
 
-    class LinearLoss(nn.Cell):
-        """loss = sum_i <w_i, G_i>: d loss / d w_i is exactly G_i (fed as `tokens`)."""
-
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.ws = ms.ParameterTuple(params)
-
-        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
-            total = ops.zeros((), ms.float32)
-            for i in range(len(sizes)):
-                g = tokens[offsets[i] : offsets[i] + sizes[i]].reshape(shapes[i])
-                total = total + (self.ws[i] * g).sum()
-            return total
-
-    loss_net = LinearLoss()
+    loss_net = lin.loss_net
     weights = ms.ParameterTuple(params)
     flags = S.decay_flags(params, decay_embeddings=False)
     train = S.TrainStep(loss_net, weights, flags, accum_steps=2)
@@ -114,7 +98,7 @@ def test_compiled_step_matches_torch_adamw(tmp_path):
         lr = LRS[adam_step % len(LRS)]
         h = dict(lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
                  adam_step=adam_step + 1, clip=CLIP, spike=None, loss_scale=SCALE, n_micro=2)  # fmt: skip
-        flat = [Tensor(np.concatenate([g.reshape(-1) for g in mb])) for mb in micro]
+        flat = [lin.flat(mb) for mb in micro]
         l1 = accum(flat[0], dummy, dummy, dummy, dummy, S.hyper_vector(**h))
         _, gnorm, ok, _ = train(flat[1], dummy, dummy, dummy, dummy,
                                 S.hyper_vector(**h, inf_grad=poisoned,

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 from mindloom_train._checkpoint import read_tracker
 from mindloom_train._cli import main
-from train_testutil import SCHED, base_config, read_metrics, run_cli, step_records
+from train_testutil import (
+    SCHED,
+    base_config,
+    kill_msrun,
+    launch_env,
+    read_metrics,
+    step_records,
+)
+
+
+def _start(out: Path, *args: str, fault: str | None = None) -> subprocess.Popen:
+    """`mindloom ARGS` in a fresh process, in the background (quiet MindSpore, the fault hook
+    only if given); its stdout and stderr go to OUT.stdout / OUT.stderr, so that a chatty
+    job never blocks on a full pipe while the test waits for another one."""
+    with open(f"{out}.stdout", "w") as so, open(f"{out}.stderr", "w") as se:
+        return subprocess.Popen([sys.executable, "-m", "mindloom_train._cli", *args],
+                                stdout=so, stderr=se, text=True, env=launch_env(fault))  # fmt: skip
 
 
 def test_generate_from_a_checkpoint(run_a, capsys):
@@ -92,29 +112,58 @@ def test_check_env_single_process(capsys):
     assert "matmul 256x256" in out and "ok" in out and "mindspore" in out and "backend" in out
 
 
+@pytest.fixture(scope="module")
+def msrun_jobs(prepared, tmp_path_factory) -> dict:
+    """Both msrun jobs of this file, started together so that one's start-up, rendezvous and
+    compile overlap the other's: `check-env --nproc 2`, and the dp=2 run of the launch test
+    below. -> {name: (process, output prefix, run dir)}; each test waits for its own."""
+    root = tmp_path_factory.mktemp("msrun")
+    run = root / "dp"
+    cfg = base_config(prepared, run, lr_scheduler=SCHED,
+                      training={"train_iters": 6, "micro_batch_size": 2},
+                      parallelism={"dp": 2})  # fmt: skip
+    (root / "dp.yaml").write_text(yaml.safe_dump(cfg))
+    jobs = {
+        "check_env": (_start(root / "check_env", "check-env", "--nproc", "2", "--timeout", "240"),
+                      root / "check_env", None),
+        "dp": (_start(root / "dp", "launch", "--nproc", "2", str(root / "dp.yaml"), "--timeout",
+                      "240", fault="sigint@3:1"), root / "dp", run),
+    }  # fmt: skip
+    yield jobs
+    for proc, _, job_run in jobs.values():  # only after a failed test: nothing left behind
+        if proc.poll() is None:
+            if job_run is not None:
+                kill_msrun(job_run / "msrun_logs")
+            proc.kill()
+            proc.wait()
+
+
+def _finished(job) -> subprocess.CompletedProcess:
+    """Wait for a job of `msrun_jobs` (bounded: the launches' own --timeout ends them first)."""
+    proc, out, _ = job
+    proc.wait(timeout=600)
+    stdout, stderr = Path(f"{out}.stdout").read_text(), Path(f"{out}.stderr").read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.msrun
-def test_check_env_all_reduce_under_msrun():
-    proc = run_cli("check-env", "--nproc", "2", "--timeout", "240")
+def test_check_env_all_reduce_under_msrun(msrun_jobs):
+    proc = _finished(msrun_jobs["check_env"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "all-reduce" in proc.stdout and "ok across 2 msrun workers" in proc.stdout
 
 
 @pytest.mark.msrun
-def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(prepared, run_a, tmp_path):
+def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(run_a, msrun_jobs):
     """dp=2 under msrun (each rank half of every global batch) = the one-process run; a
     SIGINT that reaches only rank 1 at step 3 stops both ranks after step 3, saved; rank 0
     reports "a stop signal on another rank", rank 1 names the SIGINT it got, never
     "SIGTERM" (issue 23 item 10: MindSpore's own SIGINT handler, installed as its runtime
     first runs, turned the worker's SIGINT into SIGTERM until the trainer set its handlers
     again after every step)."""
-    cfg = base_config(prepared, tmp_path / "dp", lr_scheduler=SCHED,
-                      training={"train_iters": 6, "micro_batch_size": 2},
-                      parallelism={"dp": 2})  # fmt: skip
-    path = tmp_path / "dp.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = run_cli("launch", "--nproc", "2", str(path), "--timeout", "240", fault="sigint@3:1")
+    proc, run = _finished(msrun_jobs["dp"]), msrun_jobs["dp"][2]
     assert proc.returncode == 0, proc.stderr[-2000:]
-    dp, a = step_records(tmp_path / "dp"), step_records(run_a)
+    dp, a = step_records(run), step_records(run_a)
     assert sorted(dp) == [1, 2, 3]
     for step in (1, 2, 3):
         assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5)
@@ -123,14 +172,14 @@ def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(prepared
         assert dp[step]["comm_s"] > 0 and 0 < dp[step]["comm_share"] <= 1
         assert len(dp[step]["comm_s_ranks"]) == 2 and all(c > 0 for c in dp[step]["comm_s_ranks"])
         assert dp[step]["comm_share_ranks"][0] == pytest.approx(dp[step]["comm_share"])
-    end = [r for r in read_metrics(tmp_path / "dp") if r.get("event") == "end"][-1]
+    end = [r for r in read_metrics(run) if r.get("event") == "end"][-1]
     assert end["status"] == "stopped" and end["step"] == 3
     assert end["reason"] == "a stop signal on another rank received"
-    rank1 = (tmp_path / "dp" / "msrun_logs" / "worker_1.log").read_text(errors="replace")
+    rank1 = (run / "msrun_logs" / "worker_1.log").read_text(errors="replace")
     assert "[rank 1] run: SIGINT received; saving step 3 and exiting" in rank1, rank1[-2000:]
     assert "SIGTERM" not in rank1
-    assert read_tracker(tmp_path / "dp" / "checkpoints") == 3
-    assert (tmp_path / "dp" / "msrun_logs" / "worker_1.log").exists()
+    assert read_tracker(run / "checkpoints") == 3
+    assert (run / "msrun_logs" / "worker_1.log").exists()
 
 
 def test_launch_refuses_a_layout_that_does_not_fit(prepared, tmp_path, capsys):

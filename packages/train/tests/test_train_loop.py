@@ -1,4 +1,8 @@
-"""The training loop on the real MindSpore CPU backend: resume modes, guards, metrics."""
+"""The training loop on the real MindSpore CPU backend: resume modes, guards, metrics.
+
+Every run here but the shared reference `run_a` leaves the held-out set out (none of these
+claims is about evaluation, and its graph would be a second compile per run); the skip
+guards and the stop on consecutive non-finite steps share one run (`guarded`)."""
 
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def test_metrics_and_run_dir_follow_the_contract(run_a):
 
 def test_resume_is_bit_exact_in_a_new_process(prepared, run_a, tmp_path):
     """Run B: 4 steps, SIGTERM (saves, exits 0); a new process resumes to 8 = run A."""
-    cfg = base_config(prepared, tmp_path / "b", lr_scheduler=SCHED)
+    cfg = base_config(prepared, tmp_path / "b", lr_scheduler=SCHED, eval_dataset=None)
     assert _run(cfg, fault="sigterm@4") == 0
     end = events(tmp_path / "b", "end")[-1]
     assert end["status"] == "stopped" and end["step"] == 4
@@ -82,7 +86,7 @@ def test_resume_is_bit_exact_in_a_new_process(prepared, run_a, tmp_path):
 
 def test_weights_only_start_has_fresh_optimizer_and_schedule(prepared, run_a, tmp_path):
     src = run_a / "checkpoints"
-    cfg = base_config(prepared, tmp_path / "c", lr_scheduler=SCHED,
+    cfg = base_config(prepared, tmp_path / "c", lr_scheduler=SCHED, eval_dataset=None,
                       checkpoint={"init_from": str(src)}, training={"train_iters": 2})  # fmt: skip
     assert _run(cfg) == 0
     c, a = step_records(tmp_path / "c"), step_records(run_a)
@@ -99,8 +103,9 @@ def test_resume_with_another_global_batch_keeps_consumed_samples(prepared, run_a
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(run_a / "checkpoints" / "step_00000008", run / "checkpoints" / "step_00000008")
     (run / "checkpoints" / "latest").write_text("8\n")
-    cfg = base_config(prepared, run, lr_scheduler=SCHED,
-                      training={"global_batch_size": 8, "micro_batch_size": 4, "train_iters": 6})  # fmt: skip
+    # one micro-batch of 8 (accumulation is test_pynative_and_accumulation's): one graph
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None,
+                      training={"global_batch_size": 8, "micro_batch_size": 8, "train_iters": 6})  # fmt: skip
     assert _run(cfg) == 0
     recs = step_records(run)
     assert sorted(recs) == [5, 6]  # 32 consumed samples / 8 = step 4
@@ -114,50 +119,63 @@ def test_start_from_hugging_face_weights(prepared, run_a, tmp_path):
     hf = tmp_path / "hf"
     assert main(["export-hf", "--checkpoint", str(run_a / "checkpoints"), "--out", str(hf)]) == 0
     assert (hf / "config.json").exists() and (hf / "model.safetensors").exists()
-    cfg = base_config(prepared, tmp_path / "e", lr_scheduler=SCHED, training={"train_iters": 1})
+    cfg = base_config(prepared, tmp_path / "e", lr_scheduler=SCHED, eval_dataset=None,
+                      training={"train_iters": 1})  # fmt: skip
     cfg["model"] = {"init_from_hf": str(hf)}
     assert _run(cfg) == 0
     e, a = step_records(tmp_path / "e"), step_records(run_a)
     assert e[1]["step_loss"] < a[1]["step_loss"] - 0.2
 
 
-def test_guards_skip_count_and_report(prepared, tmp_path):
-    cfg = base_config(prepared, tmp_path / "g", lr_scheduler=SCHED,
-                      training={"train_iters": 7, "grad_spike_threshold": 1000.0,
-                                "max_consecutive_skips": 2})  # fmt: skip
-    assert _run(cfg, fault="nan_loss@2,inf_grad@4,grad_spike@6") == 0
-    anomalies = [(e["step"], e["kind"], e["action"]) for e in events(tmp_path / "g", "anomaly")]
-    assert anomalies == [(2, "nonfinite_loss", "skipped"), (4, "nonfinite_grad", "skipped"),
-                         (6, "grad_spike", "skipped")]  # fmt: skip
-    recs = step_records(tmp_path / "g")
+@pytest.fixture(scope="module")
+def guarded(prepared, tmp_path_factory) -> tuple[Path, int]:
+    """One run for both guard tests: a NaN loss, an Inf gradient and a gradient spike, each
+    skipped alone (steps 2, 4, 6; step 7 saved), then NaN losses at 8 and 9, two in a row,
+    which stop the run at step 9 (max_consecutive_skips 2). One layer: nothing here is
+    compared with another run, and the guards do not depend on the size. -> (run dir, exit
+    code)."""
+    run = tmp_path_factory.mktemp("guarded") / "g"
+    model = {"preset": "debug", "vocab_size": None, "num_layers": 1}
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None, model=model,
+                      training={"train_iters": 10, "grad_spike_threshold": 1000.0,
+                                "max_consecutive_skips": 2},
+                      checkpoint={"save_interval": 7})  # fmt: skip
+    return run, _run(cfg, fault="nan_loss@2,inf_grad@4,grad_spike@6,nan_loss@8-9")
+
+
+def test_guards_skip_count_and_report(guarded):
+    run, _ = guarded
+    anomalies = [(e["step"], e["kind"], e["action"]) for e in events(run, "anomaly")]
+    assert anomalies[:3] == [(2, "nonfinite_loss", "skipped"), (4, "nonfinite_grad", "skipped"),
+                             (6, "grad_spike", "skipped")]  # fmt: skip
+    recs = step_records(run)
     assert [recs[s]["skipped_steps"] for s in range(1, 8)] == [0, 1, 1, 2, 2, 3, 3]
     assert recs[2]["loss"] is None  # non-finite is written as null
-    common = Checkpoint(tmp_path / "g" / "checkpoints" / "step_00000007").common
+    common = Checkpoint(run / "checkpoints" / "step_00000007").common
     assert common["adam_step"] == 4 and common["skipped_steps"] == 3
 
 
-def test_consecutive_nonfinite_stops_with_last_good_weights(prepared, tmp_path):
-    run = tmp_path / "h"
-    cfg = base_config(prepared, run, lr_scheduler=SCHED,
-                      training={"max_consecutive_skips": 2}, checkpoint={"save_interval": 2})  # fmt: skip
-    assert _run(cfg, fault="nan_loss@3-4") == EXIT_ANOMALY
+def test_consecutive_nonfinite_stops_with_last_good_weights(guarded):
+    run, code = guarded
+    assert code == EXIT_ANOMALY
     end = events(run, "end")[-1]
-    assert end["status"] == "stopped" and "step 4 rank 0" in end["reason"]
-    assert events(run, "anomaly")[-1]["action"] == "stopped"
-    w2 = _weights(run / "checkpoints" / "step_00000002")
-    w4 = _weights(run / "checkpoints" / "step_00000004")
-    for name in w2:
-        np.testing.assert_array_equal(w2[name], w4[name])
-    assert read_tracker(run / "checkpoints") == 4
+    assert end["status"] == "stopped" and "step 9 rank 0" in end["reason"]
+    anomalies = [(e["step"], e["kind"], e["action"]) for e in events(run, "anomaly")]
+    assert anomalies[3:] == [(8, "nonfinite_loss", "skipped"), (9, "nonfinite_loss", "stopped")]
+    w7 = _weights(run / "checkpoints" / "step_00000007")
+    w9 = _weights(run / "checkpoints" / "step_00000009")
+    for name in w7:
+        np.testing.assert_array_equal(w7[name], w9[name])
+    assert read_tracker(run / "checkpoints") == 9
 
 
 def test_pynative_and_accumulation_match_the_compiled_step(prepared, run_a, tmp_path):
     a = step_records(run_a)
     cfg = base_config(prepared, tmp_path / "p", lr_scheduler=SCHED, training={"train_iters": 2},
-                      context={"mode": "pynative"})  # fmt: skip
+                      context={"mode": "pynative"}, eval_dataset=None)  # fmt: skip
     assert _run(cfg) == 0
     p = step_records(tmp_path / "p")
-    cfg = base_config(prepared, tmp_path / "acc", lr_scheduler=SCHED,
+    cfg = base_config(prepared, tmp_path / "acc", lr_scheduler=SCHED, eval_dataset=None,
                       training={"train_iters": 2, "micro_batch_size": 2})  # fmt: skip
     assert _run(cfg) == 0
     acc = step_records(tmp_path / "acc")

@@ -2,9 +2,10 @@
 parameter norms, update/weight ratio and AdamW moment statistics, against NumPy on the
 weights and moments before and after each step.
 
-Like test_train_adamw_reference.py, the loss is linear in the weights, so the gradient is
-exactly the tensor fed in; a loss scale and clipping are active, so unscaling and the
-order of the weight copy against the in-place update are both exercised."""
+Like test_train_adamw_reference.py (the same set-up: train_testutil.linear_loss_setup), the
+loss is linear in the weights, so the gradient is exactly the tensor fed in; a loss scale
+and clipping are active, so unscaling and the order of the weight copy against the
+in-place update are both exercised."""
 
 from __future__ import annotations
 
@@ -16,36 +17,21 @@ SCALE, CLIP = 1024.0, 1.0
 
 def test_numerics_per_layer_match_numpy():
     import mindspore as ms
-    from mindloom_model import Llama, get_preset
     from mindloom_train import _step as S
-    from mindspore import Tensor, nn, ops
+    from mindspore import Tensor
+    from train_testutil import linear_loss_setup
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
-    params = list(Llama(get_preset("debug", vocab_size=64)).trainable_params())
-    names = [p.name for p in params]
-    shapes = [tuple(p.shape) for p in params]
-    sizes = [int(np.prod(s)) for s in shapes]
-    offsets = tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+    lin = linear_loss_setup()
+    params, names, shapes, sizes = lin.params, lin.names, lin.shapes, lin.sizes
     layer_of = {n: int(n.split(".")[1]) for n in names if n.startswith("layers.")}
     assert sorted(set(layer_of.values())) == [0, 1]
-
-    class LinearLoss(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.ws = ms.ParameterTuple(params)
-
-        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
-            total = ops.zeros((), ms.float32)
-            for i in range(len(sizes)):
-                g = tokens[offsets[i] : offsets[i] + sizes[i]].reshape(shapes[i])
-                total = total + (self.ws[i] * g).sum()
-            return total
 
     weights = ms.ParameterTuple(params)
     # the runner's pair: the plain step, and the numerics graph it runs at log steps, which
     # updates the same moments (share=); here step 1 is plain, steps 2 and 3 log steps
-    plain = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False))
-    step = S.TrainStep(LinearLoss(), weights, S.decay_flags(params, False), numerics=True,
+    plain = S.TrainStep(lin.loss_net, weights, S.decay_flags(params, False))
+    step = S.TrainStep(type(lin.loss_net)(), weights, S.decay_flags(params, False), numerics=True,
                        share=plain)  # fmt: skip
     dummy = Tensor(np.zeros(1, np.float32))
     rng = np.random.default_rng(0)
@@ -56,7 +42,7 @@ def test_numerics_per_layer_match_numpy():
         before = [p.asnumpy().copy() for p in params]
         h = S.hyper_vector(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                            adam_step=adam_step, clip=CLIP, spike=None, loss_scale=SCALE)  # fmt: skip
-        flat = Tensor(np.concatenate([g.reshape(-1) for g in grads]))
+        flat = lin.flat(grads)
         total = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads))
         clip_f = min(CLIP / (total + 1e-6), 1.0)
         np_m = [0.9 * m + 0.1 * g * clip_f for m, g in zip(np_m, grads, strict=True)]

@@ -1,5 +1,7 @@
 """Precision paths on the real CPU backend: dynamic loss scaling (fp32 and fp16 compute)
-and dropout on in training, off in eval (its exact resume: test_train_dropout.py)."""
+and dropout on in training, off in eval (its exact resume: test_train_dropout.py). Only the
+dropout test evaluates: the other runs leave the held-out set out, which saves each of them
+the compile of the evaluation graph."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ def test_dynamic_loss_scale_unscales_exactly(prepared, run_a, tmp_path):
     # a power-of-two scale is exact in fp32, so the scaled step must reproduce the
     # unscaled run: the reported grad norm is the unscaled one and the update the same
     run = tmp_path / "ls"
-    cfg = base_config(prepared, run, lr_scheduler=SCHED,
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None,
                       precision={"loss_scale": "dynamic", "initial_loss_scale": 1024.0})  # fmt: skip
     assert run_config(cfg) == 0
     a, b = step_records(run_a), step_records(run)
@@ -29,7 +31,7 @@ def test_overflow_halves_the_scale_and_good_steps_double_it(prepared, tmp_path):
     # loss scaling, so they never count toward max_consecutive_skips
     run = tmp_path / "of"
     initial = 2.0**66
-    cfg = base_config(prepared, run, lr_scheduler=SCHED,
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None,
                       training={"train_iters": 10, "max_consecutive_skips": 2},
                       precision={"loss_scale": "dynamic", "initial_loss_scale": initial,
                                  "loss_scale_window": 2})  # fmt: skip
@@ -61,7 +63,8 @@ def test_overflow_halves_the_scale_and_good_steps_double_it(prepared, tmp_path):
 
 def test_fp16_compute_trains_with_automatic_loss_scaling(prepared, run_a, tmp_path):
     run = tmp_path / "fp16"
-    cfg = base_config(prepared, run, lr_scheduler=SCHED, precision={"compute_dtype": "fp16"})
+    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None,
+                      precision={"compute_dtype": "fp16"})  # fmt: skip
     assert run_config(cfg) == 0
     a, b = step_records(run_a), step_records(run)
     assert sorted(b) == list(range(1, 9))

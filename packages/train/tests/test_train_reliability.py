@@ -11,6 +11,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -313,7 +314,7 @@ def test_corrupt_metadata_falls_back_or_fails_in_one_line(tmp_path, name):
     assert str(bad) in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_consumed_count_past_the_end_no_longer_completes(prepared, run_a, tmp_path):
+def test_consumed_count_past_the_end_no_longer_completes(prepared, run_a, tmp_path, train_cli):
     """Before: common.json saying 10**9 consumed samples made the run 'complete' (exit 0)
     without training. Now the checkpoint is unusable: with nothing to fall back to, exit 1
     and the reason in one line."""
@@ -321,7 +322,7 @@ def test_consumed_count_past_the_end_no_longer_completes(prepared, run_a, tmp_pa
     shutil.copytree(run_a / "checkpoints", run / "checkpoints")
     step_dir = run / "checkpoints" / "step_00000008"
     _edit_common(step_dir, lambda c: c.update(consumed_samples=10**9))
-    proc = _train_cli(tmp_path, base_config(prepared, run, lr_scheduler=SCHED))
+    proc = train_cli(base_config(prepared, run, lr_scheduler=SCHED))
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "consumed_samples 1000000000" in last
@@ -333,12 +334,13 @@ def test_consumed_count_past_the_end_no_longer_completes(prepared, run_a, tmp_pa
 # resume drift
 
 
-def test_resume_refuses_changed_data_or_model_settings(prepared, run_a, tmp_path):
+def test_resume_refuses_changed_data_or_model_settings(prepared, run_a, tmp_path, train_cli):
     run = tmp_path / "r"
     shutil.copytree(run_a / "checkpoints", run / "checkpoints")
+    # no held-out set (evaluation is no drift setting): the resumed step needs no eval graph
     cfg = base_config(prepared, run, lr_scheduler=SCHED, training={"train_iters": 9}, seed=8,
-                      optimizer={"beta1": 0.8})  # fmt: skip
-    proc = _train_cli(tmp_path, cfg)
+                      optimizer={"beta1": 0.8}, eval_dataset=None)  # fmt: skip
+    proc = train_cli(cfg)
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "resume would change optimizer.beta1, seed (" in last
@@ -369,10 +371,30 @@ def _copy_dataset(src_prefix: str, dst_prefix: Path, edit=None, dtype=None) -> s
     return str(dst_prefix)
 
 
-def _train_cli(tmp_path: Path, cfg: dict, fault: str | None = None):
-    path = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return run_cli("train", str(path), fault=fault)
+@pytest.fixture
+def train_cli(tmp_path, capsys, monkeypatch):
+    """`mindloom train CFG` through the CLI's `main` in this process (what the `mindloom`
+    script calls; no new process, so no second MindSpore import and, for the runs that
+    fail before step 1, no compile at all) -> (exit code, stderr). The fault hook is set
+    only for the call that names one."""
+    from mindloom_train._cli import main
+
+    def run(cfg: dict, fault: str | None = None) -> SimpleNamespace:
+        path = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        monkeypatch.delenv("MINDLOOM_FAULT", raising=False)
+        if fault:
+            monkeypatch.setenv("MINDLOOM_FAULT", fault)
+        capsys.readouterr()
+        code = main(["train", str(path)])  # an unexpected exception would fail the test here
+        monkeypatch.delenv("MINDLOOM_FAULT", raising=False)
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
+
+
+# the size of the model changes nothing in the rows that only need a compiled step to run
+ONE_LAYER = {"preset": "debug", "vocab_size": None, "num_layers": 1}
 
 
 def _one_error_line(proc) -> str:
@@ -382,7 +404,7 @@ def _one_error_line(proc) -> str:
     return last
 
 
-def test_out_of_vocabulary_token_is_refused_before_step_1(prepared, tmp_path):
+def test_out_of_vocabulary_token_is_refused_before_step_1(prepared, tmp_path, train_cli):
     """One id >= vocab near the end of the data (the reported run crashed at step 421 with
     a C++ stack and an empty end reason): exit 2 before step 1, naming file, id, vocab."""
 
@@ -394,7 +416,7 @@ def test_out_of_vocabulary_token_is_refused_before_step_1(prepared, tmp_path):
     bad = _copy_dataset(prepared["train"], tmp_path / "bad", plant)
     run = tmp_path / "r"
     cfg = base_config(prepared, run, train_dataset={"data_prefix": [bad]})
-    proc = _train_cli(tmp_path, cfg)
+    proc = train_cli(cfg)
     assert proc.returncode == 2
     last = _one_error_line(proc)
     assert f"{bad}.bin: token id 65 at token" in last and "vocabulary of 65 ids" in last
@@ -420,12 +442,12 @@ def test_float_token_dtype_is_refused(prepared, tmp_path):
 # the error path: one row of the README's exit-code table per test
 
 
-def test_row_corrupt_dataset_inside_train_is_one_line(prepared, tmp_path):
+def test_row_corrupt_dataset_inside_train_is_one_line(prepared, tmp_path, train_cli):
     bad = _copy_dataset(prepared["train"], tmp_path / "cut")
     with open(bad + ".bin", "r+b") as f:  # one byte short
         f.truncate(Path(bad + ".bin").stat().st_size - 1)
     run = tmp_path / "r"
-    proc = _train_cli(tmp_path, base_config(prepared, run, train_dataset={"data_prefix": [bad]}))
+    proc = train_cli(base_config(prepared, run, train_dataset={"data_prefix": [bad]}))
     assert proc.returncode == 2
     assert f"{bad}.bin: size does not match" in _one_error_line(proc)
     assert events(run, "end")[-1]["exit_code"] == 2
@@ -443,22 +465,24 @@ def test_row_empty_dataset_is_one_line(prepared, tmp_path):
     assert reason.startswith("eval dataset: ") and str(empty) in reason
 
 
-def test_row_config_error_during_the_run_exits_2(prepared, tmp_path):
+def test_row_config_error_during_the_run_exits_2(prepared, tmp_path, train_cli):
     """A tokenizer vocabulary too small for the corpus is found while training it: a
     ConfigError during the run, exit 2 like any bad config (it was 1)."""
     run = tmp_path / "r"
     cfg = base_config(prepared, run)
     cfg["tokenizer"] = {"path": str(tmp_path / "tok"), "train_input": "bundled",
                         "model_type": "bpe", "vocab_size": 20}  # fmt: skip
-    proc = _train_cli(tmp_path, cfg)
+    proc = train_cli(cfg)
     assert proc.returncode == 2
     assert _one_error_line(proc).startswith("error: config key tokenizer.vocab_size=20: ")
     assert events(run, "end")[-1]["exit_code"] == 2
 
 
-def test_row_failed_step_exits_1_in_one_line(prepared, tmp_path):
+def test_row_failed_step_exits_1_in_one_line(prepared, tmp_path, train_cli):
+    # one layer, no held-out set: the failed step needs a compiled step, not a big one
     run = tmp_path / "r"
-    proc = _train_cli(tmp_path, base_config(prepared, run), fault="step_error@3")
+    cfg = base_config(prepared, run, model=ONE_LAYER, eval_dataset=None)
+    proc = train_cli(cfg, fault="step_error@3")
     assert proc.returncode == 1
     last = _one_error_line(proc)
     assert (
@@ -484,7 +508,8 @@ def test_row_enospc_on_metrics_ends_with_one_line_and_whole_records(prepared, tm
     if not _can_mount_tmpfs(run):
         pytest.skip("cannot mount a tmpfs here (unshare -rm not permitted)")
     cfg = base_config(prepared, run, training={"train_iters": 60}, monitor={"log_interval": 1},
-                      checkpoint={"save_path": str(tmp_path / "ck"), "save_at_end": False})  # fmt: skip
+                      checkpoint={"save_path": str(tmp_path / "ck"), "save_at_end": False},
+                      model=ONE_LAYER)  # fmt: skip
     cfg.pop("eval_dataset")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -166,3 +166,45 @@ def log_text(path: Path) -> str:
         return Path(path).read_text(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def linear_loss_setup(vocab_size: int = 64):
+    """The debug model's parameters under a loss that is linear in them, for checking the
+    compiled step's update against an independent reference on chosen gradients:
+    loss = sum_i <w_i, G_i>, so d loss / d w_i is exactly G_i, fed flattened as the step's
+    `tokens` input (`flat(grads)`). Shared by test_train_adamw_reference.py and
+    test_train_numerics.py. -> SimpleNamespace(model, params, names, shapes, sizes,
+    offsets, loss_net, flat)."""
+    from types import SimpleNamespace
+
+    import mindspore as ms
+    import numpy as np
+    from mindloom_model import Llama, get_preset
+    from mindspore import Tensor, nn, ops
+
+    model = Llama(get_preset("debug", vocab_size=vocab_size))
+    params = list(model.trainable_params())
+    names = [p.name for p in params]
+    shapes = [tuple(p.shape) for p in params]
+    sizes = [int(np.prod(s)) for s in shapes]
+    offsets = tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+
+    class LinearLoss(nn.Cell):
+        """loss = sum_i <w_i, G_i>: d loss / d w_i is exactly G_i (fed as `tokens`)."""
+
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.ws = ms.ParameterTuple(params)
+
+        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
+            total = ops.zeros((), ms.float32)
+            for i in range(len(sizes)):
+                g = tokens[offsets[i] : offsets[i] + sizes[i]].reshape(shapes[i])
+                total = total + (self.ws[i] * g).sum()
+            return total
+
+    def flat(grads) -> Tensor:
+        return Tensor(np.concatenate([g.reshape(-1) for g in grads]))
+
+    return SimpleNamespace(model=model, params=params, names=names, shapes=shapes, sizes=sizes,
+                           offsets=offsets, loss_net=LinearLoss(), flat=flat)  # fmt: skip
