@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,13 +15,44 @@ os.environ.setdefault("GLOG_v", "3")
 sys.path.insert(0, str(Path(__file__).parent))  # train_testutil
 
 
+@contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _once_per_run(tmp_path_factory, name: str, build):
+    """`build(directory)` once per test run, not once per pytest-xdist worker: under xdist
+    the first worker to ask builds it in the directory all workers share (the parent of
+    their base temp, unique to this run) while the others wait on a lock, then read its
+    JSON result. These are reference runs and inputs nobody writes to; building them twice
+    only cost a second compile and training run. Without xdist: a plain mktemp."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent
+    result = shared / f"{name}.json"
+    with _locked(shared / f"{name}.lock"):
+        if not result.exists():
+            root = shared / name
+            root.mkdir()
+            result.write_text(json.dumps(build(root)))
+    return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory) -> dict[str, str]:
     """A char tokenizer and train/eval .bin/.idx from the bundled corpus (built once)."""
+    return _once_per_run(tmp_path_factory, "prepared", _prepare)
+
+
+def _prepare(root: Path) -> dict[str, str]:
     from mindloom_train import _data
     from mindloom_train._config import from_dict
 
-    root = tmp_path_factory.mktemp("prepared")
     cfg = from_dict(
         {
             "tokenizer": {"train_input": "bundled", "model_type": "char", "vocab_size": None,
@@ -35,7 +69,7 @@ def prepared(tmp_path_factory) -> dict[str, str]:
     tok = str(root / "tok")
     train = _data.prepare_dataset(cfg, cfg.train_dataset, "train", Path(tok), lambda m: None)
     ev = _data.prepare_dataset(cfg, cfg.eval_dataset, "eval", Path(tok), lambda m: None)
-    return {"tokenizer": tok, "train": train[0], "eval": ev[0]}
+    return {"tokenizer": tok, "train": str(train[0]), "eval": str(ev[0])}
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +77,8 @@ def run_a(prepared, tmp_path_factory) -> Path:
     """The reference run: 8 uninterrupted steps, checkpoint at the end."""
     from train_testutil import SCHED, base_config, run_config
 
-    run = tmp_path_factory.mktemp("run_a")
-    assert run_config(base_config(prepared, run, lr_scheduler=SCHED)) == 0
-    return run
+    def build(run: Path) -> str:
+        assert run_config(base_config(prepared, run, lr_scheduler=SCHED)) == 0
+        return str(run)
+
+    return Path(_once_per_run(tmp_path_factory, "run_a", build))

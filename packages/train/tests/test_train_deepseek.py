@@ -1,13 +1,17 @@
-"""DeepSeek-V3 (MLA + MoE + MTP) through `mindloom train`: one-process run and resume.
+"""DeepSeek-V3 (MLA + MoE + MTP) through `mindloom train` and `mindloom launch`: one-process
+run, resume, data parallel and activation recompute.
 
 Module fixtures run each job once and the checks below share them: a one-process
-reference A (4 steps, 2 micro-batches per step, a checkpoint after every step, the
-held-out loss at the end) and a run B in a new process that resumes from A's step-1
-checkpoint and is stopped by SIGTERM during update 3. The model is the tiniest that
-still has every part: deepseek-v3-debug cut to 2 layers (one dense, one MoE) plus its
-MTP block (2 routers). The dp=2 launch and recompute are in test_train_deepseek_dp.py.
+reference A (4 steps, 2 micro-batches of 4 per step, a checkpoint after every step, the
+held-out loss at the end), trained in this process while a `mindloom launch --nproc 2`
+dp=2 run of the same config (no held-out set; each rank one micro-batch of 4, so both see
+A's 8 samples per step) runs in the background; a run B in a new process that resumes
+from A's step-1 checkpoint and is stopped by SIGTERM during update 3; a run F with layer
+1 (the MoE layer) recomputed, 2 steps. The model is the tiniest that still has every part:
+deepseek-v3-debug cut to 2 layers (one dense, one MoE) plus its MTP block (2 routers).
 References: NumPy for the expert-bias rule and the load statistics, run A for resume,
-`transformers` for the exported Hugging Face directory.
+data parallel and recompute (A's held-out evaluation runs after its last step and changes
+no training record or checkpoint), `transformers` for the exported Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -15,16 +19,21 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
+from mindloom_train._cli import main
 from train_testutil import (
     SCHED,
     base_config,
     events,
+    kill_msrun,
+    launch_env,
     run_cli,
     run_config,
     step_records,
@@ -52,12 +61,48 @@ def _config(prepared, run: Path, eval_data: bool = True, **sections) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(prepared, tmp_path_factory) -> dict[str, Path]:
-    """The one-process reference A."""
+def runs(prepared, tmp_path_factory):
+    """The one-process reference A, trained while the dp=2 launch of the same config starts
+    and runs in the background (waited for by `dp_run`)."""
     root = tmp_path_factory.mktemp("deepseek")
-    out = {"root": root, "a": root / "a"}
-    assert run_config(_config(prepared, out["a"])) == 0
-    return out
+    out = {"root": root, "a": root / "a", "dp": root / "dp"}
+    path = root / "dp.yaml"
+    path.write_text(yaml.safe_dump(_config(prepared, out["dp"], eval_data=False,
+                                           parallelism={"dp": 2})))  # fmt: skip
+    out["dp_proc"] = subprocess.Popen(
+        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
+         "--timeout", "900"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(),
+    )  # fmt: skip
+    try:
+        assert run_config(_config(prepared, out["a"])) == 0
+        yield out
+    finally:
+        dp = out["dp_proc"]
+        if dp.poll() is None:  # only after a failure or a timeout
+            kill_msrun(out["dp"] / "msrun_logs")
+            dp.kill()
+            dp.communicate()
+
+
+@pytest.fixture(scope="module")
+def dp_run(runs) -> Path:
+    """The dp=2 launch started by `runs`, finished."""
+    dp = runs["dp_proc"]
+    _, err = dp.communicate(timeout=960)
+    assert dp.returncode == 0, f"dp2: {err[-3000:]}"
+    return runs["dp"]
+
+
+@pytest.fixture(scope="module")
+def run_f(prepared, runs) -> Path:
+    """F: A's config with layer 1 (MoE) recomputed, 2 steps, no held-out set."""
+    run = runs["root"] / "full"
+    rc = {"mode": "selected", "layers": [1]}
+    full = _config(prepared, run, eval_data=False, recompute=rc,
+                   training={"train_iters": 2}, checkpoint={"save_interval": 0})  # fmt: skip
+    assert run_config(full) == 0
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -232,12 +277,39 @@ def test_tp_pp_zero_refuse_the_family_in_one_line(prepared, tmp_path, parallelis
     assert build_model_config(cfg, 65).family == "deepseek_v3"
 
 
-def test_launch_refuses_zero_for_the_family_before_any_worker(prepared, tmp_path):
+def test_launch_refuses_zero_for_the_family_before_any_worker(prepared, tmp_path, capsys):
     run = tmp_path / "z"
     path = tmp_path / "z.yaml"
     path.write_text(yaml.safe_dump(_config(prepared, run, parallelism={"dp": 2, "zero_stage": 1})))
-    proc = run_cli("launch", "--nproc", "2", str(path))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    assert main(["launch", "--nproc", "2", str(path)]) == 2  # in this process: no worker
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
     assert last.startswith("error: config key parallelism.zero_stage: 1 is not supported for")
     assert not (run / "msrun_logs").exists()
+
+
+@pytest.mark.msrun
+def test_dp2_losses_and_biases_equal_one_process(runs, dp_run):
+    a, dp = step_records(runs["a"]), step_records(dp_run)
+    assert sorted(dp) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert dp[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
+        # loads summed over both ranks = over the one process's 2 micro-batches
+        np.testing.assert_array_equal(dp[step]["moe_load"], a[step]["moe_load"])
+    for step in range(1, STEPS + 1):
+        np.testing.assert_array_equal(_biases(dp_run, step), _biases(runs["a"], step))
+    assert np.abs(_biases(runs["a"], STEPS)).max() > 0  # the biases moved
+
+
+def test_recompute_gives_the_losses_of_none(runs, run_f):
+    """Layer 1 (MoE) recomputed and layer 0 not, in the compiled TrainStep and AccumStep
+    (the mix that used to fail to compile: "Graph cycle exists"): the same step losses,
+    MTP losses, grad norms and expert loads as the run without recompute."""
+    a, f = step_records(runs["a"]), step_records(run_f)
+    assert sorted(f) == [1, 2]
+    for step in (1, 2):
+        for key in ("step_loss", "lm_loss", "mtp_loss", "grad_norm"):
+            assert f[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+        assert f[step]["moe_load"] == a[step]["moe_load"], step
+    # the run really recomputed: its start line names the mode
+    assert "recompute selected" in (run_f / "train.log").read_text()
