@@ -83,24 +83,42 @@ class NumericsFields:
         return out
 
 
-def _logit_stats_cell():
+def _logit_stats_cells():
     import mindspore as ms
     from mindloom_model import attention_bias, rope_cos_sin
     from mindspore import nn, ops
 
-    class LogitStats(nn.Cell):
-        """(tokens, position_ids, segment_ids, loss_mask[, dropout_key]) ->
+    class _Stats(nn.Cell):
+        """What both families share: the largest allowed score of one layer, and the
+        fraction of masked-in tokens whose top output logit exceeds `bound`."""
+
+        def __init__(self, model, bound: float):
+            super().__init__(auto_prefix=False)
+            self.model = model
+            self.bound = float(bound)
+            self.bmm = ops.BatchMatMul(transpose_b=True)
+
+        def _top(self, q, k, mask):
+            scores = self.bmm(q, k).astype(ms.float32)  # [B, H, S, S]
+            return (scores + mask).max()  # the mask's -1e9 keeps disallowed pairs out
+
+        def _frac(self, x, loss_mask):
+            m = self.model
+            logits = m.head(m.norm(x))  # [B, S, V] fp32
+            over = (logits.max(-1) > self.bound).astype(ms.float32)
+            w = loss_mask.astype(ms.float32)
+            return (over * w).sum() / ops.maximum(w.sum(), ops.ones((), ms.float32))
+
+    class LogitStats(_Stats):
+        """Llama: (tokens, position_ids, segment_ids, loss_mask[, dropout_key]) ->
         (max attention logit per layer [L] fp32, fraction of masked-in tokens whose top
         output logit exceeds `bound`). Runs the model's own layers; the logits are taken
         from each layer's q/k (Attention.qkv, RoPE applied) in the portable layout, so the
         fused CPU attention kernel, which never forms them, needs no change."""
 
         def __init__(self, model, bound: float):
-            super().__init__(auto_prefix=False)
-            self.model = model
-            self.bound = float(bound)
+            super().__init__(model, bound)
             self.n_rep = model.config.num_heads // model.config.num_kv_heads
-            self.bmm = ops.BatchMatMul(transpose_b=True)
 
         def _max_logit(self, attn, h, cos, sin, mask):
             q, k, _ = attn.qkv(h, cos, sin, attn.scale)  # q carries 1/sqrt(d), as in attention
@@ -108,8 +126,7 @@ def _logit_stats_cell():
                 b, kv, t, dh = k.shape
                 k = k.expand_dims(2).broadcast_to((b, kv, self.n_rep, t, dh))
                 k = k.reshape(b, kv * self.n_rep, t, dh)
-            scores = self.bmm(q, k).astype(ms.float32)  # [B, H, S, S]
-            return (scores + mask).max()  # the mask's -1e9 keeps disallowed pairs out
+            return self._top(q, k, mask)
 
         def construct(self, tokens, position_ids, segment_ids, loss_mask, dropout_key=None):
             m = self.model
@@ -126,15 +143,35 @@ def _logit_stats_cell():
                 tops = tops + (self._max_logit(layer.attn, layer.attn_norm(x), p_cos, p_sin,
                                                mask),)  # fmt: skip
                 x = layer(x, cos, sin, bias, dropout_key)
-            logits = m.head(m.norm(x))  # [B, S, V] fp32
-            over = (logits.max(-1) > self.bound).astype(ms.float32)
-            w = loss_mask.astype(ms.float32)
-            frac = (over * w).sum() / ops.maximum(w.sum(), ops.ones((), ms.float32))
-            return ops.stack(tops), frac
+            return ops.stack(tops), self._frac(x, loss_mask)
 
-    return LogitStats
+    class MLALogitStats(_Stats):
+        """DeepSeek-V3 (MLA): the same outputs. Each layer's logit is q.k * scale with q
+        from `MLAttention.query` and k from its latent (`latent`, `expand`: the no-RoPE
+        part per head, the one RoPE key shared by all heads), RoPE (YaRN where set) and
+        the softmax scale exactly as the attention uses them. MTP depths are not counted
+        (they predict further tokens, not the trunk's attention)."""
+
+        def _max_logit(self, attn, h, cos, sin, mask):
+            q = attn.query(h, cos, sin) * attn.scale
+            k, _ = attn.expand(*attn.latent(h, cos, sin))
+            return self._top(q, k, mask)
+
+        def construct(self, tokens, position_ids, segment_ids, loss_mask, dropout_key=None):
+            m = self.model
+            cos, sin = m.rope(position_ids)
+            bias = attention_bias(tokens.shape[1], segment_ids)
+            x = m.embed(tokens)
+            tops = ()
+            for layer in m.layers:
+                tops = tops + (self._max_logit(layer.attn, layer.attn_norm(x), cos, sin, bias),)
+                x = layer(x, cos, sin, bias)[0]
+            return ops.stack(tops), self._frac(x, loss_mask)
+
+    return LogitStats, MLALogitStats
 
 
 def logit_stats(model, bound: float):
-    """A `LogitStats` graph over `model` (a mindloom_model Llama)."""
-    return _logit_stats_cell()(model, bound)
+    """A `LogitStats` graph over `model`: a mindloom_model Llama or DeepseekV3."""
+    llama, mla = _logit_stats_cells()
+    return (mla if model.config.family == "deepseek_v3" else llama)(model, bound)
