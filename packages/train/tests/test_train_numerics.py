@@ -124,9 +124,13 @@ def numpy_max_logits(w, cfg, tokens, pos, seg):
 
 
 def test_max_logits_match_numpy_on_a_fixed_batch():
+    """Llama: the log step's train graph (TrainStep over LossWithLogitStats, as the runner
+    builds it) leaves NumPy's MaxLogits of the weights before its update in the buffer,
+    and its loss is LlamaWithLoss's, to the bit."""
     import mindspore as ms
-    from mindloom_model import Llama, get_preset
-    from mindloom_train._numerics import logit_stats
+    from mindloom_model import Llama, LlamaWithLoss, get_preset
+    from mindloom_train._numerics import loss_with_logit_stats
+    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -136,6 +140,7 @@ def test_max_logits_match_numpy_on_a_fixed_batch():
     rng = np.random.default_rng(7)
     b, s = 2, 16
     tokens = rng.integers(0, 64, (b, s)).astype(np.int32)
+    labels = rng.integers(0, 64, (b, s)).astype(np.int32)
     # two documents in row 0 (positions restart), one in row 1; the last 3 tokens masked
     seg = np.zeros((b, s), np.int32)
     seg[0, 9:] = 1
@@ -151,10 +156,20 @@ def test_max_logits_match_numpy_on_a_fixed_batch():
     bound = float((srt[at] + srt[at + 1]) / 2)
     want_frac = float(((top_out > bound) * mask).sum() / mask.sum())
     assert 0.1 < want_frac < 0.9, want_frac
-    stats = logit_stats(model, bound)
-    tops, frac = stats(Tensor(tokens), Tensor(pos), Tensor(seg), Tensor(mask))
-    np.testing.assert_allclose(tops.asnumpy(), want_tops, rtol=1e-4)
-    assert float(frac.asnumpy()) == pytest.approx(want_frac, abs=1e-6)
+    ins = [Tensor(x) for x in (tokens, labels, pos, seg, mask)]
+    plain_loss = LlamaWithLoss(model)(*ins).asnumpy()
+    net = loss_with_logit_stats(LlamaWithLoss(model), bound)
+    weights = ms.ParameterTuple(model.trainable_params())
+    step = TrainStep(net, weights, decay_flags(weights, False))
+    hyper = hyper_vector(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+    loss, _, ok, _ = step(*ins, hyper)
+    assert bool(ok.asnumpy()) and loss.asnumpy() == plain_loss
+    moved = model.layers[0].attn.wq.weight.asnumpy()
+    assert np.abs(moved - w["layers.0.attn.wq.weight"]).max() > 1e-4  # the update happened
+    got = net.stats.asnumpy()
+    np.testing.assert_allclose(got[:-1], want_tops, rtol=1e-4)
+    assert float(got[-1]) == pytest.approx(want_frac, abs=1e-6)
     assert len(want_tops) == 2 and abs(want_tops[0] - want_tops[1]) > 1e-3
 
 
@@ -184,7 +199,9 @@ def numpy_mla_max_logits(w, cfg, tokens, pos, seg):
         a = _np_rms(x, p("attn_norm.weight"), cfg.rms_norm_eps)
         q = _np_rms(a @ p("attn.q_a_proj.weight").T, p("attn.q_a_norm.weight"), 1e-6)
         q = (q @ p("attn.q_b_proj.weight").T).reshape(b, s, h, dn + dr).transpose(0, 2, 1, 3)
-        q = np.concatenate([q[..., :dn], _np_rope_interleaved(q[..., dn:], pos, cfg.rope_theta)], -1)
+        q = np.concatenate(
+            [q[..., :dn], _np_rope_interleaved(q[..., dn:], pos, cfg.rope_theta)], -1
+        )
         ckv = a @ p("attn.kv_a_proj.weight").T  # [B, S, r + dr]
         c = _np_rms(ckv[..., :r], p("attn.kv_a_norm.weight"), 1e-6)
         k_rope = _np_rope_interleaved(ckv[:, None, :, r:], pos, cfg.rope_theta)  # [B, 1, S, dr]

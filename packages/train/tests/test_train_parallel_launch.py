@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from mindloom_train._faults import BALLAST_MB
 from train_testutil import (
     SCHED,
     base_config,
@@ -26,8 +27,6 @@ from train_testutil import (
     wait_launches,
 )
 from train_testutil import start_launch as _launch
-
-from mindloom_train._faults import BALLAST_MB
 
 STEPS = 4
 SAVE = 2  # the launches save at steps 2 and 4; the resume tests start from step 2
