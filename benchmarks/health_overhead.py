@@ -14,7 +14,9 @@ metrics_record, the per-rank fields, the numerics fields, the health rules), alt
 "on" and "off" (the runner's statistics and the writer's numerics and health detached:
 what a run with the three switched off executes), in the order on/off, off/on, ... so
 both see the same load; the first pair compiles and is not counted. The overhead is the
-median over pairs of (on block / off block) - 1.
+median over pairs of (on block / off block) - 1, and, from the same steps, (median log
+step on - median log step off) / (N x median plain step): on a loaded machine the second
+keeps the noise of the N - 1 identical steps out.
 
 Then the breakdown on the same batch, round by round: the plain step and the stats step
 (ms per call; for DeepSeek-V3 also its MaxLogits forward), and the host side of a log
@@ -134,26 +136,33 @@ def main(argv=None) -> int:
         writer.health = health if on else None
         window = ThroughputWindow(data_wait0=0.0)
         t0 = time.perf_counter()
-        for _ in range(n):
+        for i in range(n):
             step_no[0] += 1
             step = step_no[0]
             t = time.perf_counter()
             res = one_step(step)
-            window.add(args.batch * args.seq, time.perf_counter() - t, res.comm_s,
-                       res.rank_step_s)  # fmt: skip
+            step_s = time.perf_counter() - t
+            window.add(args.batch * args.seq, step_s, res.comm_s, res.rank_step_s)
             if res.ok:
                 window.add_loss(res.loss)
             state.consumed += args.batch
+            if i < n - 1:
+                plain_steps.append(step_s)  # the same plain step either way
         rec = metrics_record(window, step=step, loss=res.loss, lr=1e-4, gnorm=res.gnorm,
                              state=state, seq_length=args.seq, data_wait_s=0.0, flops=flops)  # fmt: skip
         rec.update(runner.extra_fields())
         rec.update(runner.comm_fields(window, True))
         writer.write(rec)
+        (log_on if on else log_off).append(time.perf_counter() - t)  # the log step + record
         return time.perf_counter() - t0
 
+    plain_steps: list[float] = []
+    log_on: list[float] = []
+    log_off: list[float] = []
     t = time.perf_counter()
     block(True)
     block(False)
+    del plain_steps[:], log_on[:], log_off[:]
     print(f"first pair (compiles the plain and the stats step): "
           f"{time.perf_counter() - t:.0f} s; load {load()}", flush=True)  # fmt: skip
     on_s, off_s, ratios = [], [], []
@@ -211,6 +220,14 @@ def main(argv=None) -> int:
     print(f"per-pair overhead: {', '.join(f'{r:+.1%}' for r in ratios)}")
     print(f"overhead, all monitors on vs off at log interval {n}: {overhead:+.1%} "
           f"(median of the per-pair ratios)")  # fmt: skip
+    # the same quantity from the steps themselves: only the log step differs between the
+    # blocks, so (log step on - log step off) / (n x plain step), each a median, keeps
+    # the other n - 1 steps' load noise out
+    plain = statistics.median(plain_steps)
+    per_step = (statistics.median(log_on) - statistics.median(log_off)) / (n * plain)
+    print(f"log step with its record: on {statistics.median(log_on):.2f} s, off "
+          f"{statistics.median(log_off):.2f} s; plain step {plain:.2f} s (median of "
+          f"{len(plain_steps)}): overhead {per_step:+.1%} at log interval {n}")  # fmt: skip
     print(f"\nbreakdown, medians of {args.rounds} rounds on the same batch:")
     print(f"{'graph':20} {'ms/call':>9}  {'x plain':>7}")
     for kind in graphs:
