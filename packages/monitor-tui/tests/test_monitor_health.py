@@ -149,6 +149,10 @@ async def test_health_pane_shows_alerts_and_panels(tmp_path, size):
         assert "health alerts (1, last 1):" in text
         assert "communication share of the step" in text
         assert "communication % of step" in text and "data wait % of step" in text
+        if size == (160, 48):  # each rank's value beside its own rank (the last record's)
+            assert "memory RSS MiB per rank (step 30): r0 830 r1 930" in text
+            assert "peak memory RSS MiB per rank (step 30): r0 1030 r1 1130" in text
+            assert "samples/s per rank (step 30): r0 40 r1 50" in text
         assert app.query_one("#plot-comm_share").x_range == (1, 30)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,15 @@ def test_launch_data_parallel_matches_one_process_and_agrees_on_sigterm(run_a, m
     assert "SIGTERM" not in rank1
     assert read_tracker(run / "checkpoints") == 3
     assert (run / "msrun_logs" / "worker_1.log").exists()
+    # issue 18 on the same launch: each rank's peak RSS (its log's last `memory:` line)
+    # within 20% of the estimate for the compiled dp2 step (the README's table)
+    for r in (0, 1):
+        log = (run / "msrun_logs" / f"worker_{r}.log").read_text(errors="replace")
+        peak, est = re.findall(
+            rf"memory: peak RSS ([\d.]+) MiB on rank {r}; estimate ([\d.]+)", log
+        )[-1]
+        print(f"memory dp2 compiled: rank {r} peak {peak} MiB estimate {est} MiB")
+        assert abs(float(est) - float(peak)) <= 0.2 * float(peak), (r, peak, est)
 
 
 def test_launch_refuses_a_layout_that_does_not_fit(prepared, tmp_path, capsys):

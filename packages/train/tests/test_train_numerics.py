@@ -124,9 +124,13 @@ def numpy_max_logits(w, cfg, tokens, pos, seg):
 
 
 def test_max_logits_match_numpy_on_a_fixed_batch():
+    """Llama: the log step's train graph (TrainStep over LossWithLogitStats, as the runner
+    builds it) leaves NumPy's MaxLogits of the weights before its update in the buffer,
+    and its loss is LlamaWithLoss's, to the bit."""
     import mindspore as ms
-    from mindloom_model import Llama, get_preset
-    from mindloom_train._numerics import logit_stats
+    from mindloom_model import Llama, LlamaWithLoss, get_preset
+    from mindloom_train._numerics import loss_with_logit_stats
+    from mindloom_train._step import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -136,6 +140,7 @@ def test_max_logits_match_numpy_on_a_fixed_batch():
     rng = np.random.default_rng(7)
     b, s = 2, 16
     tokens = rng.integers(0, 64, (b, s)).astype(np.int32)
+    labels = rng.integers(0, 64, (b, s)).astype(np.int32)
     # two documents in row 0 (positions restart), one in row 1; the last 3 tokens masked
     seg = np.zeros((b, s), np.int32)
     seg[0, 9:] = 1
@@ -151,8 +156,103 @@ def test_max_logits_match_numpy_on_a_fixed_batch():
     bound = float((srt[at] + srt[at + 1]) / 2)
     want_frac = float(((top_out > bound) * mask).sum() / mask.sum())
     assert 0.1 < want_frac < 0.9, want_frac
-    stats = logit_stats(model, bound)
-    tops, frac = stats(Tensor(tokens), Tensor(pos), Tensor(seg), Tensor(mask))
+    ins = [Tensor(x) for x in (tokens, labels, pos, seg, mask)]
+    plain_loss = LlamaWithLoss(model)(*ins).asnumpy()
+    net = loss_with_logit_stats(LlamaWithLoss(model), bound)
+    weights = ms.ParameterTuple(model.trainable_params())
+    step = TrainStep(net, weights, decay_flags(weights, False))
+    hyper = hyper_vector(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+    loss, _, ok, _ = step(*ins, hyper)
+    assert bool(ok.asnumpy()) and loss.asnumpy() == plain_loss
+    moved = model.layers[0].attn.wq.weight.asnumpy()
+    assert np.abs(moved - w["layers.0.attn.wq.weight"]).max() > 1e-4  # the update happened
+    got = net.stats.asnumpy()
+    np.testing.assert_allclose(got[:-1], want_tops, rtol=1e-4)
+    assert float(got[-1]) == pytest.approx(want_frac, abs=1e-6)
+    assert len(want_tops) == 2 and abs(want_tops[0] - want_tops[1]) > 1e-3
+
+
+def _np_rope_interleaved(x, pos, theta):
+    # DeepSeek's layout (Hugging Face's apply_rotary_pos_emb_interleave): pairs (x0, x1),
+    # (x2, x3), ... rotate by one frequency each; the result is laid out [evens', odds']
+    dr = x.shape[-1]
+    ang = pos[:, None, :, None] / theta ** (np.arange(0, dr, 2, dtype=np.float64) / dr)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                           x2 * np.cos(ang) + x1 * np.sin(ang)], -1)  # fmt: skip
+
+
+def numpy_mla_max_logits(w, cfg, tokens, pos, seg):
+    """DeepSeek-V3 with dense layers before the last: per layer the max of q.k/sqrt(dn+dr)
+    over allowed pairs, q from the LoRA'd query, k from the normalised KV latent (the
+    no-RoPE part per head) and the one RoPE key shared by all heads; float64."""
+    b, s = tokens.shape
+    h, dn, dr, dv, r = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                        cfg.v_head_dim, cfg.kv_lora_rank)  # fmt: skip
+    assert cfg.rope_interleave and not cfg.rope_scaling
+    allowed = np.tril(np.ones((s, s), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    x = w["embed.weight"][tokens]
+    tops = []
+    for i in range(cfg.num_layers):
+        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: B023,E731
+        a = _np_rms(x, p("attn_norm.weight"), cfg.rms_norm_eps)
+        q = _np_rms(a @ p("attn.q_a_proj.weight").T, p("attn.q_a_norm.weight"), 1e-6)
+        q = (q @ p("attn.q_b_proj.weight").T).reshape(b, s, h, dn + dr).transpose(0, 2, 1, 3)
+        q = np.concatenate(
+            [q[..., :dn], _np_rope_interleaved(q[..., dn:], pos, cfg.rope_theta)], -1
+        )
+        ckv = a @ p("attn.kv_a_proj.weight").T  # [B, S, r + dr]
+        c = _np_rms(ckv[..., :r], p("attn.kv_a_norm.weight"), 1e-6)
+        k_rope = _np_rope_interleaved(ckv[:, None, :, r:], pos, cfg.rope_theta)  # [B, 1, S, dr]
+        kv = (c @ p("attn.kv_b_proj.weight").T).reshape(b, s, h, dn + dv).transpose(0, 2, 1, 3)
+        k = np.concatenate([kv[..., :dn], np.broadcast_to(k_rope, (b, h, s, dr))], -1)
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(dn + dr)  # [B, H, S, S]
+        tops.append(scores[np.broadcast_to(allowed[:, None], scores.shape)].max())
+        if i == cfg.num_layers - 1:
+            break  # the last layer's MoE feeds no attention logit
+        scores = np.where(allowed[:, None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = (probs @ kv[..., dn:]).transpose(0, 2, 1, 3).reshape(b, s, h * dv)
+        x = x + o @ p("attn.wo.weight").T
+        m = _np_rms(x, p("mlp_norm.weight"), cfg.rms_norm_eps)
+        g = m @ p("mlp.w1.weight").T
+        x = x + ((g / (1 + np.exp(-g))) * (m @ p("mlp.w3.weight").T)) @ p("mlp.w2.weight").T
+    return np.array(tops)
+
+
+def test_mla_max_logits_match_numpy_on_a_fixed_batch():
+    """DeepSeek-V3 (MLA): layer 0 dense, layer 1 MoE (its attention logits come before its
+    experts, so NumPy needs no router); the over-bound fraction against the model's own
+    inference forward (`DeepseekV3.construct`), whose top logits NumPy thresholds."""
+    import mindspore as ms
+    from mindloom_model import DeepseekV3, get_preset
+    from mindloom_train._numerics import logit_stats
+    from mindspore import Tensor
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    cfg = get_preset("deepseek-v3-debug", num_layers=2, vocab_size=64, init_std=0.3,
+                     num_nextn_predict_layers=0)  # fmt: skip
+    model = DeepseekV3(cfg)
+    w = {p.name: p.asnumpy().astype(np.float64) for p in model.get_parameters()}
+    rng = np.random.default_rng(11)
+    b, s = 2, 16
+    tokens = rng.integers(0, 64, (b, s)).astype(np.int32)
+    seg = np.zeros((b, s), np.int32)
+    seg[1, 6:] = 1  # two documents in row 1, positions restart
+    pos = np.tile(np.arange(s, dtype=np.int32), (b, 1))
+    pos[1, 6:] -= 6
+    mask = np.ones((b, s), np.float32)
+    mask[0, -4:] = 0.0
+    want_tops = numpy_mla_max_logits(w, cfg, tokens, pos, seg)
+    top_out = model(Tensor(tokens), Tensor(pos), Tensor(seg)).asnumpy().max(-1)
+    srt = np.sort(top_out.ravel())
+    at = int(np.argmax(np.diff(srt[len(srt) // 4 : 3 * len(srt) // 4]))) + len(srt) // 4
+    bound = float((srt[at] + srt[at + 1]) / 2)
+    want_frac = float(((top_out > bound) * mask).sum() / mask.sum())
+    assert 0.1 < want_frac < 0.9, want_frac
+    tops, frac = logit_stats(model, bound)(Tensor(tokens), Tensor(pos), Tensor(seg), Tensor(mask))
     np.testing.assert_allclose(tops.asnumpy(), want_tops, rtol=1e-4)
     assert float(frac.asnumpy()) == pytest.approx(want_frac, abs=1e-6)
     assert len(want_tops) == 2 and abs(want_tops[0] - want_tops[1]) > 1e-3

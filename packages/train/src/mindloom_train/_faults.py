@@ -26,6 +26,8 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            launcher then, at a known step
     MINDLOOM_FAULT="step_error@5"          update 5 raises the plain RuntimeError a failing
                                            MindSpore op raises (the "failed step" exit row)
+    MINDLOOM_FAULT="ballast@1:1"           rank 1 holds 64 MiB more (resident) from update 1
+                                           on: a per-rank memory field shows whose it is
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -44,7 +46,8 @@ from dataclasses import dataclass
 ENV = "MINDLOOM_FAULT"
 PAUSE_MARKER = "MINDLOOM_FAULT: paused"
 _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill", "sigint",
-               "await_stop", "step_error"}  # fmt: skip
+               "await_stop", "step_error", "ballast"}  # fmt: skip
+BALLAST_MB = 64
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save"}
 
@@ -85,6 +88,7 @@ class FaultInjector:
         self.faults = parse(os.environ.get(ENV) if spec is None else spec)
         self.rank = rank
         self.step_begun = 0  # the last update at_step_start saw (hold_save waits on it)
+        self.ballast: bytes | None = None
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -102,6 +106,8 @@ class FaultInjector:
         """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,
         await_stop (until `stopped()`)."""
         self.step_begun = step
+        if self.step_fault("ballast", step) and self.ballast is None:
+            self.ballast = b"\x01" * (BALLAST_MB << 20)  # written, so every page is resident
         if self.step_fault("sigterm", step):
             os.kill(os.getpid(), signal.SIGTERM)
         if self.step_fault("step_error", step):

@@ -3,13 +3,16 @@
 - `monitor.numerics` (local norms): per parameter tensor, the gradient, parameter and update
   squared norms and the AdamW moment means, returned by `_step.TrainStep(numerics=True)`;
   `layer_numerics` reduces them per transformer layer.
-- `monitor.max_logits` (MaxLogits): `LogitStats`, a forward-only graph over the step's
-  last micro-batch (weights before the update) that returns the largest attention logit
-  q.k/sqrt(d) of each layer over the positions the mask allows, and the fraction of
-  tokens (under the loss mask) whose top output logit exceeds `monitor.output_logit_bound`.
+- `monitor.max_logits` (MaxLogits): the largest attention logit q.k/sqrt(d) of each layer
+  over the positions the mask allows, and the fraction of tokens (under the loss mask)
+  whose top output logit exceeds `monitor.output_logit_bound`, on the step's last
+  micro-batch with the weights before the update. Llama: `LossWithLogitStats`, the loss
+  net of the log step's train graph, takes them from the step's own forward (the scores
+  from each layer's q/k, the fraction from the logits the loss reads) and leaves them in
+  a buffer; DeepSeek-V3 (MLA): `MLALogitStats`, a forward-only graph of its own.
 
-Both are separate compiled graphs that the runner calls only at the steps whose record is
-written (`StepStats.wanted`), so a step between two log steps runs exactly the plain step.
+The runner runs these graphs only at the steps whose record is written
+(`NumericsFields.wanted`), so a step between two log steps runs exactly the plain step.
 """
 
 from __future__ import annotations
@@ -77,30 +80,60 @@ class NumericsFields:
         if self.rows is not None:
             out.update(layer_numerics(self.names, self.sizes, self.rows.asnumpy()))
         if self.logits is not None:
-            per_layer, frac = self.logits
-            out["max_logits"] = [float(x) for x in per_layer.asnumpy()]
-            out["logits_over_bound_frac"] = float(frac.asnumpy())
+            if isinstance(self.logits, tuple):  # MLALogitStats: (per layer, fraction)
+                per_layer, frac = (x.asnumpy() for x in self.logits)
+            else:  # LossWithLogitStats' buffer: the per-layer maxima, then the fraction
+                got = self.logits.asnumpy()
+                per_layer, frac = got[:-1], got[-1]
+            out["max_logits"] = [float(x) for x in per_layer]
+            out["logits_over_bound_frac"] = float(frac)
         return out
 
 
-def _logit_stats_cell():
+def _logit_stats_cells():
     import mindspore as ms
-    from mindloom_model import attention_bias, rope_cos_sin
+    from mindloom_model import attention_bias, causal_lm_loss, rope_cos_sin
     from mindspore import nn, ops
 
-    class LogitStats(nn.Cell):
-        """(tokens, position_ids, segment_ids, loss_mask[, dropout_key]) ->
-        (max attention logit per layer [L] fp32, fraction of masked-in tokens whose top
-        output logit exceeds `bound`). Runs the model's own layers; the logits are taken
-        from each layer's q/k (Attention.qkv, RoPE applied) in the portable layout, so the
-        fused CPU attention kernel, which never forms them, needs no change."""
+    class _Stats(nn.Cell):
+        """What both families share: the largest allowed score of one layer, and the
+        fraction of masked-in tokens whose top output logit exceeds `bound`."""
 
         def __init__(self, model, bound: float):
             super().__init__(auto_prefix=False)
             self.model = model
             self.bound = float(bound)
-            self.n_rep = model.config.num_heads // model.config.num_kv_heads
             self.bmm = ops.BatchMatMul(transpose_b=True)
+
+        def _top(self, q, k, mask):
+            scores = self.bmm(q, k).astype(ms.float32)  # [B, H, S, S]
+            return (scores + mask).max()  # the mask's -1e9 keeps disallowed pairs out
+
+        def _frac(self, x, loss_mask):
+            m = self.model
+            return self._frac_of(m.head(m.norm(x)), loss_mask)
+
+        def _frac_of(self, logits, loss_mask):
+            over = (logits.max(-1) > self.bound).astype(ms.float32)  # logits [B, S, V] fp32
+            w = loss_mask.astype(ms.float32)
+            return (over * w).sum() / ops.maximum(w.sum(), ops.ones((), ms.float32))
+
+    class LossWithLogitStats(_Stats):
+        """Llama: the train step's loss net (LlamaWithLoss's forward, op for op: the same
+        loss) that also writes the MaxLogits of that forward into `stats` (a buffer of
+        L + 1: the largest attention logit of each layer, then the fraction of masked-in
+        tokens whose top output logit exceeds `bound`). The logits are taken from each
+        layer's q/k (Attention.qkv, RoPE applied) in the portable layout, so the fused CPU
+        attention kernel, which never forms them, needs no change; they carry no gradient.
+        Sharing the step's forward, the statistics cost the q/k projections and scores
+        once more, not a forward of the whole model."""
+
+        def __init__(self, loss_net, bound: float):
+            super().__init__(loss_net.model, bound)
+            cfg = loss_net.model.config
+            self.n_rep = cfg.num_heads // cfg.num_kv_heads
+            self.stats = ms.Parameter(np.zeros(cfg.num_layers + 1, np.float32),
+                                      name="max_logits_stats", requires_grad=False)  # fmt: skip
 
         def _max_logit(self, attn, h, cos, sin, mask):
             q, k, _ = attn.qkv(h, cos, sin, attn.scale)  # q carries 1/sqrt(d), as in attention
@@ -108,10 +141,10 @@ def _logit_stats_cell():
                 b, kv, t, dh = k.shape
                 k = k.expand_dims(2).broadcast_to((b, kv, self.n_rep, t, dh))
                 k = k.reshape(b, kv * self.n_rep, t, dh)
-            scores = self.bmm(q, k).astype(ms.float32)  # [B, H, S, S]
-            return (scores + mask).max()  # the mask's -1e9 keeps disallowed pairs out
+            return self._top(q, k, mask)
 
-        def construct(self, tokens, position_ids, segment_ids, loss_mask, dropout_key=None):
+        def construct(self, tokens, labels, position_ids=None, segment_ids=None,
+                      loss_mask=None, dropout_key=None):  # fmt: skip
             m = self.model
             s = tokens.shape[1]
             cos, sin, bias = m.attention_inputs(position_ids, segment_ids)
@@ -123,18 +156,61 @@ def _logit_stats_cell():
                 x = m.embed_dropout(x, dropout_key)
             tops = ()
             for layer in m.layers:
-                tops = tops + (self._max_logit(layer.attn, layer.attn_norm(x), p_cos, p_sin,
-                                               mask),)  # fmt: skip
+                top = self._max_logit(layer.attn, layer.attn_norm(x), p_cos, p_sin, mask)
+                tops = tops + (ops.stop_gradient(top),)
                 x = layer(x, cos, sin, bias, dropout_key)
-            logits = m.head(m.norm(x))  # [B, S, V] fp32
-            over = (logits.max(-1) > self.bound).astype(ms.float32)
-            w = loss_mask.astype(ms.float32)
-            frac = (over * w).sum() / ops.maximum(w.sum(), ops.ones((), ms.float32))
-            return ops.stack(tops), frac
+            logits = m.head(m.norm(x))
+            frac = ops.stop_gradient(self._frac_of(logits, loss_mask))
+            stats = ops.concat((ops.stack(tops), frac.reshape(1)))
+            return ops.depend(
+                _llama_loss(m, logits, labels, loss_mask), ops.assign(self.stats, stats)
+            )
 
-    return LogitStats
+    class MLALogitStats(_Stats):
+        """DeepSeek-V3 (MLA): the same outputs. Each layer's logit is q.k * scale with q
+        from `MLAttention.query` and k from its latent (`latent`, `expand`: the no-RoPE
+        part per head, the one RoPE key shared by all heads), RoPE (YaRN where set) and
+        the softmax scale exactly as the attention uses them. MTP depths are not counted
+        (they predict further tokens, not the trunk's attention)."""
+
+        def _max_logit(self, attn, h, cos, sin, mask):
+            q = attn.query(h, cos, sin) * attn.scale
+            k, _ = attn.expand(*attn.latent(h, cos, sin))
+            return self._top(q, k, mask)
+
+        def construct(self, tokens, position_ids, segment_ids, loss_mask, dropout_key=None):
+            m = self.model
+            cos, sin = m.rope(position_ids)
+            bias = attention_bias(tokens.shape[1], segment_ids)
+            x = m.embed(tokens)
+            tops = ()
+            for layer in m.layers:
+                tops = tops + (self._max_logit(layer.attn, layer.attn_norm(x), cos, sin, bias),)
+                x = layer(x, cos, sin, bias)[0]
+            return ops.stack(tops), self._frac(x, loss_mask)
+
+    def _llama_loss(m, logits, labels, loss_mask):
+        # LlamaWithLoss.construct after the model's forward, the same ops
+        ce = getattr(m, "loss_kernel", None)
+        if ce is not None:
+            v = logits.shape[-1]
+            if loss_mask is None:
+                w = ops.fill(ms.float32, labels.reshape(-1).shape, 1.0 / labels.size)
+            else:
+                mk = loss_mask.reshape(-1).astype(ms.float32)
+                w = mk / ops.maximum(mk.sum(), ops.ones((), ms.float32))
+            return ce(logits.reshape(-1, v), labels.reshape(-1).astype(ms.int32), w)[0]
+        return causal_lm_loss(logits, labels, loss_mask)
+
+    return LossWithLogitStats, MLALogitStats
+
+
+def loss_with_logit_stats(loss_net, bound: float):
+    """Llama: a loss net over `loss_net`'s model (a LlamaWithLoss) that computes the same
+    loss and leaves the MaxLogits of its forward in `.stats` (see LossWithLogitStats)."""
+    return _logit_stats_cells()[0](loss_net, bound)
 
 
 def logit_stats(model, bound: float):
-    """A `LogitStats` graph over `model` (a mindloom_model Llama)."""
-    return _logit_stats_cell()(model, bound)
+    """DeepSeek-V3: an `MLALogitStats` forward over `model` (a DeepseekV3)."""
+    return _logit_stats_cells()[1](model, bound)

@@ -159,30 +159,37 @@ class CompiledRunner:
         self.eval_step = _step.EvalStep(eval_net, eval_red)
 
     def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, log) -> None:
-        """monitor.numerics / monitor.max_logits: graphs of their own, run at log steps
-        only (`NumericsFields.wanted`); every other step runs the plain `train_step`."""
+        """monitor.numerics / monitor.max_logits, at log steps only (`NumericsFields.wanted`):
+        `stats_step` is a second graph of the same update (the same weights, moments and
+        buffers), with the numerics and, for Llama, a loss net that also leaves the
+        MaxLogits of its forward in a buffer; DeepSeek-V3's MaxLogits is a forward of its
+        own. Every other step runs the plain `train_step`."""
         from mindloom_train import _step
-        from mindloom_train._numerics import NumericsFields, logit_stats
+        from mindloom_train._numerics import NumericsFields, logit_stats, loss_with_logit_stats
 
         mon = cfg.monitor
-        self.numerics = self.stats_step = self.logit_stats = None
+        self.numerics = self.stats_step = self.logit_stats = self.logit_buffer = None
         if not (mon.numerics or mon.max_logits):
             return
         self.numerics = NumericsFields(weights, mon.log_interval, cfg.training.train_iters)
-        if mon.numerics:  # the same update, also returning the per-tensor statistics
-            self.stats_step = _step.TrainStep(
-                built.loss_net, weights, flags, self.accum, grad_red, loss_red,
-                moe=self.moe_parts, numerics=True, share=self.train_step)  # fmt: skip
+        loss_net = built.loss_net
         if mon.max_logits and self.mcfg.family == "llama":
+            loss_net = loss_with_logit_stats(built.loss_net, mon.output_logit_bound)
+            self.logit_buffer = loss_net.stats
+        # DeepSeek-V3 draws MindSpore's stateful dropout masks: a second forward would
+        # draw some too and move the training run's masks, so not with dropout there
+        elif mon.max_logits and not self.mcfg.dropout:
             self.logit_stats = logit_stats(self.model, mon.output_logit_bound)
         elif mon.max_logits:
-            log(
-                f"monitor: max_logits is computed for the llama family only, not {self.mcfg.family}"
-            )
+            log("monitor: max_logits is not computed for deepseek_v3 with dropout")
+        if mon.numerics or self.logit_buffer is not None:
+            self.stats_step = _step.TrainStep(
+                loss_net, weights, flags, self.accum, grad_red, loss_red,
+                moe=self.moe_parts, numerics=mon.numerics, share=self.train_step)  # fmt: skip
 
     def _log_step_stats(self, step: int, batch, dkey) -> bool:
-        """At a log step: the logit statistics of `batch` (weights before the update);
-        True when the numerics step should run this step."""
+        """At a log step: DeepSeek-V3's logit statistics of `batch` (weights before the
+        update); True when the stats step should run this step."""
         if self.numerics is None:
             return False
         self.numerics.clear()
@@ -225,8 +232,10 @@ class CompiledRunner:
         with_numerics = self._log_step_stats(inp.step, batch, dkey)
         train_step = self.stats_step if with_numerics else self.train_step
         loss_t, gnorm_t, ok_t, stop_t, *moe_t = train_step(*tensors(batch), hyper, dkey)
-        if with_numerics:  # the last output; read when the record is written
+        if with_numerics and self.cfg.monitor.numerics:  # the last output; read at the record
             *moe_t, self.numerics.rows = moe_t
+        if with_numerics and self.logit_buffer is not None:
+            self.numerics.logits = self.logit_buffer
         if moe_t:
             self.moe_window.add(moe_t[0].asnumpy())
         loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())

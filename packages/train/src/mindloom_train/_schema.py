@@ -174,7 +174,7 @@ class MonitorConfig:
     peak_tflops: float | None = None  # overrides the device peak table (MFU)
     health: HealthConfig = field(default_factory=HealthConfig)  # training-health rules
     numerics: bool = False  # per-layer grad/param norms, update ratio, AdamW moments
-    max_logits: bool = False  # largest attention logit per layer (llama), at log steps
+    max_logits: bool = False  # largest attention logit per layer (llama, MLA), at log steps
     output_logit_bound: float = 30.0  # logits_over_bound_frac: top output logit above this
 
 
