@@ -25,6 +25,11 @@ class ContextConfig:
     max_device_memory: str | None = None
     # MindSpore's CPU runtime threads; null leaves MindSpore's default
     num_threads: int | None = None
+    # auto: compiled graphs come from / go to a verified, per-graph store (the train
+    # README's "Compile cache"); off: compile every graph afresh
+    compile_cache: Literal["auto", "off"] = "auto"
+    # the store; $MINDLOOM_COMPILE_CACHE wins; null: ~/.cache/mindloom/compile
+    compile_cache_dir: str | None = None
 
 
 @dataclass
