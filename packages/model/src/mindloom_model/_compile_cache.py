@@ -95,6 +95,32 @@ def _signature(value: Any) -> Any:
     return [type(value).__name__, repr(value)]
 
 
+_SCALARS = (bool, int, float, str, type(None))
+# set by MindSpore as a cell is called or compiled: not part of what the graph computes
+_VOLATILE = frozenset({"arguments_key", "is_top_cell", "phase", "compile_phase", "current_phase"})
+
+
+def _cell_constants(cell) -> list:
+    """Every sub-cell's class and its public scalar attributes (an eps, a flag, a tuple of
+    decay flags) and its primitives' attributes (a dropout seed): the Python values a
+    graph bakes in that the cell itself holds. A value computed inside `construct` from
+    elsewhere is not seen: the caller's `context` must hold it."""
+    out = []
+    for name, sub in cell.cells_and_names():
+        consts = {}
+        for attr, value in sorted(vars(sub).items()):
+            if attr.startswith("_") or attr in _VOLATILE:
+                continue
+            if isinstance(value, _SCALARS):
+                consts[attr] = value
+            elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value):
+                consts[attr] = list(value)
+            elif hasattr(value, "attrs") and callable(getattr(value, "__call__", None)):
+                consts[attr] = {k: repr(v) for k, v in sorted(getattr(value, "attrs", {}).items())}
+        out.append([name, f"{type(sub).__module__}.{type(sub).__qualname__}", consts])
+    return out
+
+
 class _Process:
     """MindSpore's side, once per process: the private directory its cache points at, the
     index of the file its next cached compile reads or writes, and the rank directory."""
@@ -103,17 +129,11 @@ class _Process:
         self.root: Path | None = None
         self.graph_dir: Path | None = None
         self.next_index = 0
-        self.dep_hash = ""
         self.broken: str | None = None  # why the cache is off for this process
 
     def start(self, rank: int) -> None:
-        """Point MindSpore at a private directory holding this process's dependency hash.
-
-        MindSpore checks that hash once, at the first cached compile of a process, and when
-        it is missing or differs every later compile of the process ignores the cache. It
-        is sha256 over the concatenated hex sha256 of each file of
-        `_get_compile_cache_dep_files()` (the entry script and its imports outside
-        sys.path), sorted by path; `check` compares it with what MindSpore wrote."""
+        """Point MindSpore at a private directory, once per process (MindSpore fixes the
+        directory at the first cached compile of a process)."""
         if self.root is not None or self.broken:
             return
         self.root = Path(tempfile.mkdtemp(prefix="mindloom-compile-"))
@@ -121,22 +141,13 @@ class _Process:
         os.environ["MS_COMPILER_CACHE_PATH"] = str(self.root)
         self.graph_dir = self.root / f"rank_{rank}" / "graph_cache"
         self.graph_dir.mkdir(parents=True)
-        try:
-            self.dep_hash = _dependency_hash()
-        except Exception as exc:  # MindSpore's private helper moved: misses only
-            self.broken = f"the dependency hash could not be computed ({exc})"
-            return
-        (self.graph_dir / "compile_dependency.hash").write_text(self.dep_hash)
 
     def check(self) -> None:
         """After a cached compile: MindSpore wrote where expected and kept our hash."""
         stray = [p for p in self.root.glob("rank_*/graph_cache/compile_cache_*.mindir")
                  if p.parent != self.graph_dir]  # fmt: skip
-        hash_file = self.graph_dir / "compile_dependency.hash"
         if stray:
             self.broken = f"MindSpore wrote {stray[0]}, not under {self.graph_dir}"
-        elif not hash_file.is_file() or hash_file.read_text().strip() != self.dep_hash:
-            self.broken = "MindSpore's dependency hash is not the one mindloom computed"
 
     def enabled(self):
         return _Enabled()
@@ -152,13 +163,6 @@ class _Process:
             p.unlink()
 
 
-def _dependency_hash() -> str:
-    from mindspore.graph.api import _get_compile_cache_dep_files
-
-    files = sorted(_get_compile_cache_dep_files())
-    return hashlib.sha256("".join(_file_sha256(Path(f)) for f in files).encode()).hexdigest()
-
-
 def _index(path: Path) -> int:
     m = re.fullmatch(r"compile_cache_(\d+)\.mindir", path.name)
     return int(m.group(1)) if m else -1
@@ -166,17 +170,25 @@ def _index(path: Path) -> int:
 
 class _Enabled:
     """MindSpore's cache on for the compiles inside the block only (its environment switch
-    is read at each compile; set_context's would log a deprecation warning each time)."""
+    is read at each compile; set_context's would log a deprecation warning each time).
+
+    MS_DEV_FORCE_USE_COMPILE_CACHE skips MindSpore's own staleness check (a hash of the
+    entry script's imports outside site-packages), which is both too weak (it sees no
+    constant, no config, no installed mindloom code) and too strict: after one cache miss
+    a process never loads a cached graph again. The key of the entry staged here is the
+    staleness check instead."""
 
     def __enter__(self):
         self.old = os.environ.get("MS_COMPILER_CACHE_ENABLE")
         os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+        os.environ["MS_DEV_FORCE_USE_COMPILE_CACHE"] = "1"
 
     def __exit__(self, *exc):
         if self.old is None:
             os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
         else:
             os.environ["MS_COMPILER_CACHE_ENABLE"] = self.old
+        os.environ.pop("MS_DEV_FORCE_USE_COMPILE_CACHE", None)
         return False
 
 
@@ -230,7 +242,8 @@ class CompileCache:
     def key(self, role: str, cell, args: tuple) -> str:
         params = [[p.name, list(p.shape), str(p.dtype)] for p in cell.get_parameters()]
         ident = {**self._base, "role": role, "cell": f"{type(cell).__module__}.{type(cell).__qualname__}",
-                 "parameters": params, "inputs": [_signature(a) for a in args]}  # fmt: skip
+                 "constants": _cell_constants(cell), "parameters": params,
+                 "inputs": [_signature(a) for a in args]}  # fmt: skip
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -246,7 +259,10 @@ class CompileCache:
             return cell(*args)
         seen.add(sig)
         self._cells.append(cell)
-        _PROCESS.start(self.rank)
+        try:
+            _PROCESS.start(self.rank)
+        except OSError as exc:  # no private directory: compile as if there were no cache
+            _PROCESS.broken = f"no private directory ({exc})"
         if _PROCESS.broken:
             self.log(f"compile cache: off for this process ({_PROCESS.broken})")
             return cell(*args)
@@ -294,7 +310,7 @@ class CompileCache:
             self.hits += 1
             return
         self.misses += 1
-        self._publish(entry, slot)
+        self._publish(entry, slot, role)
 
     def _stage(self, entry: Path, slot: Path) -> str | None:
         """Copy a verified entry to `slot`; its sha256, or None (no usable entry)."""
@@ -315,12 +331,13 @@ class CompileCache:
             _discard(entry)
             return None
 
-    def _publish(self, entry: Path, slot: Path) -> None:
+    def _publish(self, entry: Path, slot: Path, role: str) -> None:
         tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir(parents=True)
             shutil.copyfile(slot, tmp / GRAPH_FILE)
-            manifest = {"format": FORMAT, "files": {GRAPH_FILE: _file_sha256(tmp / GRAPH_FILE)}}
+            manifest = {"format": FORMAT, "role": role, "mindspore_version": self._base["mindspore"],
+                        "files": {GRAPH_FILE: _file_sha256(tmp / GRAPH_FILE)}}  # fmt: skip
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             for name in (GRAPH_FILE, MANIFEST):
                 with open(tmp / name, "rb") as f:
