@@ -42,7 +42,9 @@ MAKE = {"affine": lambda: Affine(2.0), "exp": lambda: ExpScale(3.0)}
 
 
 def _cache(store: Path, lines: list[str] | None = None) -> CompileCache:
-    return CompileCache(store, {"test": "compile-cache"}, log=(lines if lines is not None else []).append)
+    return CompileCache(
+        store, {"test": "compile-cache"}, log=(lines if lines is not None else []).append
+    )
 
 
 def _run_all(cache: CompileCache, order: list[str]) -> dict[str, np.ndarray]:

@@ -105,6 +105,8 @@ def _cell_constants(cell) -> list:
     decay flags) and its primitives' attributes (a dropout seed): the Python values a
     graph bakes in that the cell itself holds. A value computed inside `construct` from
     elsewhere is not seen: the caller's `context` must hold it."""
+    from mindspore.ops import Primitive
+
     out = []
     for name, sub in cell.cells_and_names():
         consts = {}
@@ -115,8 +117,8 @@ def _cell_constants(cell) -> list:
                 consts[attr] = value
             elif isinstance(value, (tuple, list)) and all(isinstance(v, _SCALARS) for v in value):
                 consts[attr] = list(value)
-            elif hasattr(value, "attrs") and callable(getattr(value, "__call__", None)):
-                consts[attr] = {k: repr(v) for k, v in sorted(getattr(value, "attrs", {}).items())}
+            elif isinstance(value, Primitive):
+                consts[attr] = {k: repr(v) for k, v in sorted(value.attrs.items())}
         out.append([name, f"{type(sub).__module__}.{type(sub).__qualname__}", consts])
     return out
 
