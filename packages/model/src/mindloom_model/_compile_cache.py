@@ -47,8 +47,9 @@ FORMAT = 1  # bump when the entry layout changes: old entries then simply miss
 
 
 def compile_cache_dir(configured: str | None = None) -> Path:
-    """The store: $MINDLOOM_COMPILE_CACHE, else `configured`, else ~/.cache/mindloom/compile."""
-    chosen = os.environ.get(ENV_DIR) or configured or DEFAULT_DIR
+    """The store: `configured` (a config's own setting), else $MINDLOOM_COMPILE_CACHE (a
+    whole test suite, a cluster's shared disk), else ~/.cache/mindloom/compile."""
+    chosen = configured or os.environ.get(ENV_DIR) or DEFAULT_DIR
     return Path(chosen).expanduser()
 
 

@@ -28,7 +28,7 @@ class ContextConfig:
     # auto: compiled graphs come from / go to a verified, per-graph store (the train
     # README's "Compile cache"); off: compile every graph afresh
     compile_cache: Literal["auto", "off"] = "auto"
-    # the store; $MINDLOOM_COMPILE_CACHE wins; null: ~/.cache/mindloom/compile
+    # the store; null: $MINDLOOM_COMPILE_CACHE, else ~/.cache/mindloom/compile
     compile_cache_dir: str | None = None
 
 
