@@ -9,18 +9,21 @@ MindSpore 2.10's own compile cache (MS_COMPILER_CACHE_ENABLE) is unsafe to use a
   (`DIR/rank_N/graph_cache/compile_cache_<k>.mindir`), so two processes that compile
   graphs in different orders load each other's graphs; and the directory is fixed at
   the first cached compile of a process (setting another `compile_cache_path` later is
-  ignored), so "one directory per graph" cannot be had from MindSpore itself.
+  ignored), so "one directory per graph" cannot be had from MindSpore itself;
+- after one miss, a process never loads a cached graph again (its staleness check is
+  sticky), so one process that runs several configs gains nothing.
 
 What this module does instead: MindSpore's cache points, once per process, at a private
 directory nobody else sees, and is switched on only around the compiles it is asked to do
-(`CompileCache.run`). Before each such compile the entry for that graph's own key (sha256
+(`CompileCache.run`), with its own staleness check skipped (MS_DEV_FORCE_USE_COMPILE_CACHE):
+the key is the check. Before each such compile the entry for that graph's own key (sha256
 of every mindloom source file, the MindSpore and Python versions, the caller's context --
-the resolved config, rank, world size --, the graph's role, its parameters and its inputs'
-shapes and dtypes) is copied, checked against its manifest, to the file name MindSpore
-will look for next; on a miss MindSpore compiles and writes that file, which is published
-to the shared store under the key only after the compiled graph ran, with an atomic
-rename. The private copy is removed after every compile, so a counter that drifted can
-never load a stale file: it only misses.
+the resolved config, rank, world size --, the graph's role, the constants its cells hold,
+its parameters and its inputs' shapes and dtypes) is copied, checked against its manifest,
+to the file name MindSpore will read next; on a miss MindSpore compiles and writes that
+file, which is published to the shared store under the key only after the compiled graph
+ran, with an atomic rename. Every file is removed from the private directory after each
+compile, so a counter that drifted can never load a stale file: it only misses.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 __all__ = ["CompileCache", "compile_cache_dir", "mindloom_source_digest"]
 
-ENV_DIR = "MINDLOOM_COMPILE_CACHE"  # the store's directory, over the caller's setting
+ENV_DIR = "MINDLOOM_COMPILE_CACHE"  # the store when the caller sets none
 DEFAULT_DIR = "~/.cache/mindloom/compile"
 GRAPH_FILE = "graph.mindir"
 MANIFEST = "manifest.json"
@@ -146,7 +149,7 @@ class _Process:
         self.graph_dir.mkdir(parents=True)
 
     def check(self) -> None:
-        """After a cached compile: MindSpore wrote where expected and kept our hash."""
+        """After a cached compile: MindSpore wrote under the rank directory expected."""
         stray = [p for p in self.root.glob("rank_*/graph_cache/compile_cache_*.mindir")
                  if p.parent != self.graph_dir]  # fmt: skip
         if stray:
