@@ -66,6 +66,8 @@ def _alternates(prepared, tmp: Path) -> dict[str, object]:
         "lr_scheduler.decay_iters": 5,
         "checkpoint.save_path": str(tmp / "alt_ckpt"),
         "checkpoint.resume": "never",
+        # a weights-only start from the uncached run's last checkpoint (run before this one)
+        "checkpoint.init_from": str(tmp / "ref" / "checkpoints" / "step_00000003"),
     }
 
 
@@ -123,9 +125,11 @@ _NUMBER_IN_NAME = re.compile(r"\d+")
 
 def _canonical_graphs(store: Path) -> dict[str, dict[str, str]]:
     """role -> {key: the compiled graph as text}. MindSpore's names carry process-wide
-    counters, its `compile_phase` a timestamp and its table of primitives comes in no
-    fixed order: the names' numbers are masked and the table sorted. Constants (raw
-    tensor bytes, integer and float fields) and the nodes in their order are kept."""
+    counters and merge orders, its `compile_phase` a timestamp and its table of
+    primitives comes in no fixed order: node names become their number of first
+    appearance, other strings' numbers are masked, the table is sorted. Constants (raw
+    tensor bytes, integer and float fields), op types and the nodes in their order are
+    kept."""
     from google.protobuf import text_format
     from mindspore.train import mind_ir_pb2
 
@@ -135,13 +139,18 @@ def _canonical_graphs(store: Path) -> dict[str, dict[str, str]]:
         proto = mind_ir_pb2.ModelProto()
         proto.ParseFromString((entry / "graph.mindir").read_bytes())
         blocks: list[list[str]] = []
+        names: dict[str, str] = {}  # a node name -> its number by first appearance
         for line in text_format.MessageToString(proto).splitlines():
             if "compile_phase" in line:
                 continue
-            if line.strip().split(":", 1)[0] != "raw_data" and '"' in line:
-                line = _NUMBER_IN_NAME.sub("#", line)
             if not line.startswith(" ") and not line.startswith("}"):
                 blocks.append([])
+            field, _, value = line.strip().partition(": ")
+            in_table = blocks and blocks[-1] and blocks[-1][0].startswith("primitives")
+            if field in ("input", "output", "name") and value.startswith('"') and not in_table:
+                line = f"{line[: len(line) - len(line.lstrip())]}{field}: n{names.setdefault(value, str(len(names)))}"
+            elif field != "raw_data" and '"' in line:
+                line = _NUMBER_IN_NAME.sub("#", line)
             blocks[-1].append(line)
         prims = sorted("\n".join(b) for b in blocks if b[0].startswith("primitives"))
         rest = ["\n".join(b) for b in blocks if not b[0].startswith("primitives")]
@@ -153,8 +162,10 @@ def _canonical_graphs(store: Path) -> dict[str, dict[str, str]]:
 def runs(prepared, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ccache")
     store, alt_store = tmp / "store", tmp / "alt_store"
+    ref = _config(prepared, tmp / "ref", None)
+    ref["checkpoint"]["verify_integrity"] = True  # its checkpoint is the alt run's init_from
     cfgs = {
-        "ref": _config(prepared, tmp / "ref", None),
+        "ref": ref,
         "cold": _config(prepared, tmp / "cold", store),
         "warm": _config(prepared, tmp / "warm", store),
         "alt": _apply(_config(prepared, tmp / "alt", alt_store), _alternates(prepared, tmp)),

@@ -302,6 +302,13 @@ class CompileCache:
         if not compiled:  # MindSpore reused a graph of its own: no file read or written
             return
         _PROCESS.next_index += 1
+        if not written and staged is None:
+            # measured under msrun (MindSpore 2.10, CPU): a graph compiled after the
+            # communication init writes no cache file; nothing can be published
+            _PROCESS.broken = f"MindSpore wrote no cache file for {role}"
+            self.misses += 1
+            self.log(f"compile cache: off for this process ({_PROCESS.broken})")
+            return
         if [p.name for p in written] != [slot.name]:
             # something else compiled under the switch, or the counter is not where we
             # think: nothing is published, and the counter follows MindSpore's files

@@ -47,6 +47,9 @@ GRAPH_FREE_KEYS = (
     "checkpoint.resume",
     "checkpoint.verify_integrity",
     "checkpoint.async_save",
+    "checkpoint.init_from",  # weights-only start: values, not graphs
+    "checkpoint.override_schedule",
+    "checkpoint.override_drift",
 )
 
 
