@@ -9,7 +9,8 @@ and config.yaml digests were recorded again at the merge that added the `monitor
 (max_logits, output_logit_bound, health.padding, health.max_logit_floor) and `profiler`
 (warmup_steps, profile_memory, with_stack, ranks) keys: new keys with defaults appear in
 every resolved config, so both move by design; `ModelSection` had been shown to give the
-851959c values before that merge."""
+851959c values before that merge. Recorded again when `context.compile_cache` and
+`context.compile_cache_dir` were added (the same reason; the drift hashes did not move)."""
 
 from __future__ import annotations
 
@@ -58,24 +59,24 @@ def _debug() -> dict:
 # first 16 hex digits of config.yaml's SHA-256)
 CASES = {
     "debug.yaml": ((_debug(), True),
-                   ("36d7bd866a663be4", "f7c651f57f6c34f4", "cdbacc88339c481b")),
+                   ("ef1ed67d0b4de6bb", "f7c651f57f6c34f4", "a5266a71fb09dcc0")),
     "deepseek-v3-debug.yaml": (({**_debug(), **DEEPSEEK}, True),
-                               ("eb12ae1b1e43d2f4", "42f49cab3fdaac1a", "acede68a9e0fa609")),
+                               ("6ba7a52df01847a0", "42f49cab3fdaac1a", "6df1f2e6b9c84779")),
     "no model section": ((dict(DATA), True),
-                         ("b4f0387570abd839", "29705e2bfbbae948", "fba470c6e44f0111")),
+                         ("690cd0ddd24e0a12", "29705e2bfbbae948", "4bc0dc91a0251f73")),
     "empty model section": (({**DATA, "model": {}}, True),
-                            ("b0f7204fe0e2f467", "f66d4dcf301cbfba", "073712d8a93abbbf")),
+                            ("204e1072473d0323", "f66d4dcf301cbfba", "1e12bdc65c1fd001")),
     "vocab null + dropout": (
         ({**DATA, "model": {"preset": "debug", "vocab_size": None, "dropout": 0.1}}, True),
-        ("e87773ad65deff21", "f8ff46fb8ed3d424", "91dc9475d1620211")),
+        ("4719366e7c936f70", "f8ff46fb8ed3d424", "9506a3db5ec5b433")),
     # an int where ModelConfig has a float (rms_norm_eps 1 -> 1.0), no preset
     "no preset, full spec": (
         ({**DATA, "model": {"hidden_size": 128, "num_layers": 3, "num_heads": 4,
                             "rms_norm_eps": 1, "tie_embeddings": True}}, True),
-        ("b71bad1371dff4f7", "ad514432a75090ef", "45929dfda6317594")),
+        ("dc3e2c2264d395b2", "ad514432a75090ef", "677be0c89b34d099")),
     "init_from_hf, unchecked": (
         ({**DATA, "model": {"init_from_hf": "hf/llama", "vocab_size": None}}, False),
-        ("cb50dae168ec2f1a", "873b0262bcc91a57", "e2d40417951fb751")),
+        ("22a2edb271e6d56d", "873b0262bcc91a57", "a0de9a10c862819b")),
 }  # fmt: skip
 
 

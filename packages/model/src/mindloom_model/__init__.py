@@ -17,6 +17,7 @@ from mindloom_model._safetensors import (
 from mindloom_model._tp_plan import TP_STYLES, llama_tp_plan
 
 __all__ = [
+    "CompileCache",
     "CounterDropout",
     "DeepseekV3",
     "DeepseekV3WithLoss",
@@ -29,6 +30,7 @@ __all__ = [
     "__version__",
     "attention_bias",
     "causal_lm_loss",
+    "compile_cache_dir",
     "dropout_key",
     "dropout_site",
     "encode_safetensors",
@@ -36,6 +38,7 @@ __all__ = [
     "get_preset",
     "llama_tp_plan",
     "load_hf",
+    "mindloom_source_digest",
     "moe_route_reference",
     "moe_routers",
     "preset_names",
@@ -50,6 +53,9 @@ __all__ = [
 
 # name -> the private module that defines it; each of these modules imports MindSpore
 _LAZY = {
+    "CompileCache": "_compile_cache",
+    "compile_cache_dir": "_compile_cache",
+    "mindloom_source_digest": "_compile_cache",
     "DeepseekV3": "_deepseek",
     "DeepseekV3WithLoss": "_deepseek",
     "moe_route_reference": "_deepseek",

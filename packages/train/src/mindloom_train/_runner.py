@@ -108,10 +108,13 @@ class CompiledRunner:
         import mindspore as ms
 
         from mindloom_train import _step
+        from mindloom_train._graph_cache import make_compile_cache
         from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
 
         self.cfg, self.rt = cfg, runtime
         self.model, self.mcfg = built.model, built.mcfg
+        # every graph below is called through graphs.run (see _graph_cache)
+        self.graphs = make_compile_cache(cfg, runtime, built.mcfg, log)
         self.params, self.buffers = built.params, built.buffers
         self.accum = cfg.grad_accum_steps
         p = cfg.parallelism
@@ -138,7 +141,7 @@ class CompiledRunner:
             # Compiled and warmed up here, where every rank passes at the same time.
             self.comm_probe = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
             self._probe_grads = tuple(ms.Tensor(np.zeros(q.shape, np.float32)) for q in self.params)
-            self.comm_probe(self._probe_grads)[0].asnumpy()
+            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
         self.moe_parts, self.moe_window = None, None
         eval_net = built.loss_net
         if isinstance(built.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
@@ -197,7 +200,8 @@ class CompiledRunner:
             return False
         if self.logit_stats is not None:
             t = tensors(batch)
-            self.numerics.logits = self.logit_stats(t[0], t[2], t[3], t[4], dkey)
+            self.numerics.logits = self.graphs.run("logit_stats", self.logit_stats,
+                                                   t[0], t[2], t[3], t[4], dkey)  # fmt: skip
         return self.stats_step is not None
 
     def _dropout_key(self, step: int, micro: int):
@@ -218,7 +222,7 @@ class CompiledRunner:
         for micro_i in range(self.accum - 1):
             batch = next(inp.batches)
             dkey = self._dropout_key(inp.step, micro_i)
-            out = self.accum_step(*tensors(batch), inp.hyper(), dkey)
+            out = self.graphs.run("accum_step", self.accum_step, *tensors(batch), inp.hyper(), dkey)
             prev_sum += float(out.asnumpy())
         batch = next(inp.batches)
         several = self.rt.world > 1
@@ -230,8 +234,12 @@ class CompiledRunner:
             hyper = Tensor(h)
         dkey = self._dropout_key(inp.step, self.accum - 1)
         with_numerics = self._log_step_stats(inp.step, batch, dkey)
-        train_step = self.stats_step if with_numerics else self.train_step
-        loss_t, gnorm_t, ok_t, stop_t, *moe_t = train_step(*tensors(batch), hyper, dkey)
+        role, train_step = (
+            ("stats_step", self.stats_step) if with_numerics else ("train_step", self.train_step)
+        )
+        loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.graphs.run(
+            role, train_step, *tensors(batch), hyper, dkey
+        )
         if with_numerics and self.cfg.monitor.numerics:  # the last output; read at the record
             *moe_t, self.numerics.rows = moe_t
         if with_numerics and self.logit_buffer is not None:
@@ -247,7 +255,7 @@ class CompiledRunner:
         return StepResult(loss, gnorm, ok, stop, time_up)
 
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
-        return float(self.eval_step(*tensors(batch)).asnumpy())
+        return float(self.graphs.run("eval_step", self.eval_step, *tensors(batch)).asnumpy())
 
     def _model_arrays(self) -> dict[str, np.ndarray]:
         import mindspore as ms
@@ -310,7 +318,7 @@ class CompiledRunner:
         from mindloom_parallel import gather_rows
 
         t0 = time.perf_counter()
-        self.comm_probe(self._probe_grads)[0].asnumpy()
+        self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
         comm = time.perf_counter() - t0
         # the same all-gather carries each rank's memory and step time (_rankstats)
         rows = gather_rows([comm, *memory_row(window.mean_step_time())], self.rt.groups.world)

@@ -25,6 +25,12 @@ class ContextConfig:
     max_device_memory: str | None = None
     # MindSpore's CPU runtime threads; null leaves MindSpore's default
     num_threads: int | None = None
+    # auto: compiled graphs come from / go to a verified, per-graph store (the train
+    # README's "Compile cache"); off: compile every graph afresh (YAML reads a bare `off`
+    # as false, which means the same)
+    compile_cache: Literal["auto", "off", False] = "auto"
+    # the store; null: $MINDLOOM_COMPILE_CACHE, else ~/.cache/mindloom/compile
+    compile_cache_dir: str | None = None
 
 
 @dataclass

@@ -368,6 +368,10 @@ class Trainer:
 
     def _log_peak_memory(self) -> None:
         # before an error line, so `error: ...` stays the last line a failed run prints
+        graphs = getattr(self.runner, "graphs", None)  # the compile cache's hits and misses
+        if graphs is not None and graphs.enabled and not getattr(self, "_cache_logged", False):
+            self._cache_logged = True
+            self.log(graphs.summary())
         if self.memory_estimate is None or self._peak_logged:
             return
         self._peak_logged = True
