@@ -14,7 +14,10 @@ mindspore side, all compiled in GRAPH_MODE through mindloom_train's TrainStep (t
 fused AdamW), as benchmarks/train_step.py does for Llama:
   llama         the Llama preset (benchmarks/train_step.py's batch, packed documents)
   moe           deepseek-v3-small without MTP, dropless dispatch (the default: routed
-                slots sorted by expert into blocks, one batched matmul over the blocks)
+                slots sorted by expert into blocks, one batched matmul over the blocks,
+                each block's expert weights picked by a one-hot matmul)
+  moe-gather    the same, the block weights picked by ops.gather (Experts.weights_by)
+  moe-t32       the same, blocks of 32 rows (MoE.block_rows; default: _block_size's)
   moe-dense     the same, dropless by running every expert over every token
   moe-capacity  the same with moe_capacity_factor (gathered tokens, overflow dropped)
   moe+mtp       deepseek-v3-small as preset (dropless, one MTP depth): not in a ratio
@@ -47,9 +50,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 TAG = "@@moe_step "  # protocol lines between parent and workers; anything else is noise
-MS_KEYS = ("llama", "moe", "moe-dense", "moe-capacity", "moe+mtp")
+MS_KEYS = ("llama", "moe", "moe-gather", "moe-t32", "moe-dense", "moe-capacity", "moe+mtp")
 TORCH_KEYS = ("llama", "moe")
-PAIRS = (("llama", "llama"), ("moe", "moe"), ("moe-dense", "moe"), ("moe-capacity", "moe"))
+PAIRS = (
+    ("llama", "llama"),
+    ("moe", "moe"),
+    ("moe-gather", "moe"),
+    ("moe-t32", "moe"),
+    ("moe-dense", "moe"),
+    ("moe-capacity", "moe"),
+)
 
 
 def parse(argv):
@@ -128,6 +138,10 @@ def mindspore_models(args, tsb):
             for cell in model.cells_and_names():
                 if isinstance(cell[1], MoE):  # read when the graph is built
                     cell[1].dropless = "dense" if key == "moe-dense" else "blocks"
+                    if key == "moe-gather":
+                        cell[1].experts.weights_by = "gather"
+                    if key == "moe-t32":
+                        cell[1].block_rows = 32
             net, batch = TotalLoss(DeepseekV3WithLoss(model)), args.moe_batch
             # plain causal rows: the transformers peer takes no packed-document mask
             data = tsb.make_batch(cfg, batch, segments=False)
@@ -321,7 +335,7 @@ def main(argv=None) -> int:
                 f"ratio mindspore/torch tokens/s, {ms_key} vs torch {t_key}: {ratios[ms_key]:.2f}x"
             )
     if "llama" in ratios:
-        for key in ("moe", "moe-dense", "moe-capacity"):
+        for key in ("moe", "moe-gather", "moe-t32", "moe-dense", "moe-capacity"):
             if key in ratios:
                 verdict = "meets" if ratios[key] >= ratios["llama"] else "below"
                 print(

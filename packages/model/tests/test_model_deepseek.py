@@ -371,3 +371,50 @@ def test_hf_directory_errors_name_the_tensor_or_key(tmp_path):
         load_hf(tmp_path / "d")
     assert isinstance(ModelConfig(family="deepseek_v3", kv_lora_rank=8, qk_nope_head_dim=8,
                                   qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=2), ModelConfig)  # fmt: skip
+
+
+def test_release_layout_mtp_is_read_and_bad_tensors_are_one_line(tmp_path):
+    """A checkpoint in DeepSeek's released layout, written by the `safetensors` package
+    (not our codec): the MTP layer model.layers.{L}.* with its own copies of the embedding
+    and head (skipped: the model shares its own) is read into our MTP module; an expert
+    missing and a mis-shaped MLA projection are each one line naming the tensor."""
+    from mindloom_model import HFFormatError
+    from safetensors.numpy import load_file, save_file
+
+    cfg = get_preset("deepseek-v3-debug")  # 3 layers + 1 MTP depth
+    model = DeepseekV3(cfg, seed=3)
+    save_hf(model, tmp_path / "ours", include_mtp=True)
+    (src,) = (tmp_path / "ours").glob("*.safetensors")
+    tensors = load_file(src)
+    mtp = f"model.layers.{cfg.num_layers}."
+    assert f"{mtp}eh_proj.weight" in tensors and f"{mtp}mlp.experts.3.up_proj.weight" in tensors
+    tensors[f"{mtp}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors[f"{mtp}shared_head.head.weight"] = tensors["lm_head.weight"].copy()
+
+    def directory(name, ts):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((tmp_path / "ours" / "config.json").read_text())
+        save_file(ts, str(d / "model.safetensors"))
+        return d
+
+    back = load_hf(directory("release", tensors))
+    assert back.config.num_nextn_predict_layers == 1
+    ours = {p.name: p.asnumpy() for p in model.get_parameters()}
+    for p in back.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), ours[p.name], err_msg=p.name)
+
+    missing = {
+        k: v for k, v in tensors.items() if k != "model.layers.2.mlp.experts.5.down_proj.weight"
+    }
+    with pytest.raises(HFFormatError) as e:
+        load_hf(directory("missing", missing))
+    assert str(e.value).endswith(
+        "missing tensor 'model.layers.2.mlp.experts.5.down_proj.weight' (expected shape [64, 32])"
+    )
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    bad = dict(tensors, **{name: np.zeros((39, 64), np.float32)})
+    with pytest.raises(HFFormatError) as e:
+        load_hf(directory("misshaped", bad))
+    assert str(e.value).endswith(f"tensor '{name}' has shape [39, 64], expected [40, 64]")
+    assert "\n" not in str(e.value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from mindloom_model._llama import Linear, ModelConfig, RMSNorm, _normal, attention
 
@@ -66,19 +66,33 @@ def yarn_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float, float]:
     return inv.astype(np.float32), float(cos_factor), float(score_factor)
 
 
-def _rope_pairs(x, cos, sin, interleave: bool):
-    """x [B, h, S, dr]; cos/sin [B|1, 1, S, dr] (two equal halves).
+def _rope_pairs(x, cos, sin, perm_a, perm_b):
+    """x [B, h, S, dr]; cos/sin [B|1, 1, S, dr] (two equal halves); perm_a/perm_b
+    [dr, dr] = _rope_perms(dr, interleave) as fp32 tensors.
 
     interleave: pairs (x0, x1), (x2, x3), ... rotate by one frequency each and the result
     is laid out as [evens', odds'] (Hugging Face's apply_rotary_pos_emb_interleave);
-    otherwise rotate_half pairs i with i + dr/2 (the Llama layout)."""
-    half = x.shape[-1] // 2
-    if interleave:
-        c, s = cos[..., :half].astype(x.dtype), sin[..., :half].astype(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return ops.concat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
-    rotated = ops.concat((-x[..., half:], x[..., :half]), -1)
-    return x * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+    otherwise rotate_half pairs i with i + dr/2 (the Llama layout). Both as
+    x @ A * cos + x @ B * sin with constant 0/1 (signed) permutations A, B: exact, and
+    their backward is matmuls too, where strided slices and concats are slow on the CPU."""
+    dr = x.shape[-1]
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, dr)
+    xa = ops.matmul(flat, perm_a.astype(x.dtype)).reshape(lead + (dr,))
+    xb = ops.matmul(flat, perm_b.astype(x.dtype)).reshape(lead + (dr,))
+    return xa * cos.astype(x.dtype) + xb * sin.astype(x.dtype)
+
+
+def _rope_perms(dr: int, interleave: bool):
+    # y = x @ a is [x0, x2, ...; x1, x3, ...] (interleave) or x; x @ b is rotate_half(y)
+    half = dr // 2
+    a = np.zeros((dr, dr), np.float32)
+    src = np.r_[0:dr:2, 1:dr:2] if interleave else np.arange(dr)
+    a[src, np.arange(dr)] = 1.0
+    rot = np.zeros((dr, dr), np.float32)  # [y1, y2] @ rot = [-y2, y1]
+    rot[np.arange(half) + half, np.arange(half)] = -1.0
+    rot[np.arange(half), np.arange(half) + half] = 1.0
+    return a, a @ rot
 
 
 # ----------------------------------------------------------------------------- MLA
@@ -99,6 +113,7 @@ class MLAttention(nn.Cell):
         self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.r = cfg.kv_lora_rank
         self.interleave = cfg.rope_interleave
+        self.rope_a, self.rope_b = (Tensor(m) for m in _rope_perms(self.dr, self.interleave))
         qk = self.dn + self.dr
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
@@ -126,7 +141,8 @@ class MLAttention(nn.Cell):
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.reshape(b, s, self.n_heads, self.dn + self.dr).transpose(0, 2, 1, 3)
         return ops.concat(
-            (q[..., : self.dn], _rope_pairs(q[..., self.dn :], cos, sin, self.interleave)), -1
+            (q[..., : self.dn], _rope_pairs(q[..., self.dn :], cos, sin, self.rope_a, self.rope_b)),
+            -1,
         )
 
     def latent(self, x, cos, sin):
@@ -135,7 +151,7 @@ class MLAttention(nn.Cell):
         ckv = self.kv_a_proj(x)  # [B, S, r + dr]
         c = self.kv_a_norm(ckv[..., : self.r])
         k_rope = ckv[..., self.r :].reshape(b, 1, s, self.dr)
-        return c, _rope_pairs(k_rope, cos, sin, self.interleave)
+        return c, _rope_pairs(k_rope, cos, sin, self.rope_a, self.rope_b)
 
     def expand(self, c, k_rope):
         # c [B, T, r], k_rope [B, 1, T, dr] -> k [B, H, T, dn+dr], v [B, H, T, dv]

@@ -80,6 +80,56 @@ class Router(nn.Cell):
         return idx, w * self.scaling, scores
 
 
+class _RowsByOneHot(nn.Cell):
+    """(onehot [nb, E] 0/1 fp32, table [E, ...]) -> table[argmax(onehot)] [nb, ...] as one
+    matmul, and its backward (the rows' gradients summed per expert) as one matmul too:
+    MindSpore's CPU Gather backward (a scatter-add of [nb, Fm, D] blocks) is slower than a
+    [E, nb] @ [nb, Fm*D] product. Exact forward: each row is 1 * its expert's weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.mm = ops.MatMul()
+        self.mm_ta = ops.MatMul(transpose_a=True)
+
+    def construct(self, onehot, table):
+        e = table.shape[0]
+        flat = table.reshape(e, -1)
+        return self.mm(onehot.astype(flat.dtype), flat).reshape(
+            (onehot.shape[0],) + table.shape[1:]
+        )
+
+    def bprop(self, onehot, table, out, dout):
+        nb = onehot.shape[0]
+        g = self.mm_ta(onehot.astype(dout.dtype), dout.reshape(nb, -1))  # [E, Fm*D]
+        return ops.zeros_like(onehot), g.reshape(table.shape).astype(table.dtype)
+
+
+class _ScatterRows(nn.Cell):
+    """(x [P, D], ids [P] int32 in [0, n), like [n, ...]) -> out [n, D], out[i] = the sum of
+    the rows with id i (a segment sum), with the backward written as the gather it is:
+    MindSpore's generic UnsortedSegmentSum gradient also masks out-of-range ids
+    (LogicalAnd + Select over [P, D]), which these ids never are."""
+
+    def construct(self, x, ids, like):
+        return ops.unsorted_segment_sum(x, ids, like.shape[0])
+
+    def bprop(self, x, ids, like, out, dout):
+        return ops.gather(dout, ids, 0), ops.zeros_like(ids), ops.zeros_like(like)
+
+
+class _ScaleRows(nn.Cell):
+    """x [P, D] * r [P, 1] with r's gradient (a sum over D) written as a matmul against
+    ones: the CPU ReduceSum is several times slower (see mindloom_model._llama's
+    _ScaleRowsCols)."""
+
+    def construct(self, x, r):
+        return x * r
+
+    def bprop(self, x, r, out, dout):
+        dr = ops.matmul(dout * x, ops.ones((x.shape[1], 1), x.dtype))
+        return dout * r, dr.astype(r.dtype)
+
+
 class Experts(nn.Cell):
     """The routed experts' SwiGLU weights as [E, ...] tensors, run as batched matmuls."""
 
@@ -92,23 +142,37 @@ class Experts(nn.Cell):
         self.w2 = Parameter(Tensor(_normal(rng, (e, d, f), out_std), param_dtype), name="w2")
         self.compute_dtype = compute_dtype
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
+        self.rows = _RowsByOneHot()
+
+    # how block b gets expert owner[b]'s weights: "matmul" (a one-hot [nb, E] product, its
+    # backward a matmul) or "gather" (ops.gather, its backward a scatter-add); measured in
+    # benchmarks/moe_step.py (moe vs moe-gather)
+    weights_by = "matmul"
 
     def construct(self, xs, owner=None):
-        """xs [E, T, D] (expert e's tokens in row e) -> [E, T, D]; with owner [nb] int32,
-        xs [nb, T, D] is blocks of rows and block b runs expert owner[b] -> [nb, T, D].
-        One cell call either way, so `recompute()` on this cell covers the expert matmuls."""
+        """xs [E, T, D] (expert e's tokens in row e) -> [E, T, D]; with owner [nb, E] one-hot
+        fp32, xs [nb, T, D] is blocks of rows and block b runs expert argmax(owner[b]) ->
+        [nb, T, D]. One cell call either way, so `recompute()` on this cell covers the
+        expert matmuls."""
         cd = self.compute_dtype
         if owner is None:
             w1, w2, w3 = self.w1.astype(cd), self.w2.astype(cd), self.w3.astype(cd)
+        elif self.weights_by == "matmul":
+            w1 = self.rows(owner, self.w1).astype(cd)  # [nb, Fm, D]
+            w3 = self.rows(owner, self.w3).astype(cd)
+            w2 = self.rows(owner, self.w2).astype(cd)  # [nb, D, Fm]
         else:
-            w1 = ops.gather(self.w1, owner, 0).astype(cd)  # [nb, Fm, D]
-            w3 = ops.gather(self.w3, owner, 0).astype(cd)
-            w2 = ops.gather(self.w2, owner, 0).astype(cd)  # [nb, D, Fm]
+            ids = ops.argmax(owner, -1).astype(ms.int32)
+            w1 = ops.gather(self.w1, ids, 0).astype(cd)  # [nb, Fm, D]
+            w3 = ops.gather(self.w3, ids, 0).astype(cd)
+            w2 = ops.gather(self.w2, ids, 0).astype(cd)  # [nb, D, Fm]
         hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [., T, Fm]
         return self.bmm_t(hid, w2)
 
 
-def _block_size(slots: int, experts: int) -> int:
+def _block_size(slots: int, experts: int, fixed: int = 0) -> int:
+    if fixed > 0:
+        return fixed
     # about half an expert's even share, a power of two in [16, 128]: the padding (at
     # most one block per expert) stays a fraction of the routed slots, blocks stay big
     # enough for the batched matmul
@@ -137,12 +201,15 @@ class MoE(nn.Cell):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_weight = float(cfg.moe_aux_loss_weight)
         self.compute_dtype = compute_dtype
+        self.scale_rows = _ScaleRows()
+        self.scatter_tokens = _ScatterRows()
 
     # dropless dispatch: "blocks" sorts the routed (token, expert) slots by expert into
     # blocks of T rows, each block one expert's (k/E of the dense FLOPs plus at most a
     # block of padding per expert); "dense" runs every expert over every token (E/k times
     # the routed FLOPs, no gathers). Measured in benchmarks/moe_step.py.
     dropless = "blocks"
+    block_rows = 0  # T of the blocks dispatch; 0 = _block_size's choice (benchmarks set it)
 
     def _dropless_dense(self, flat, combine):
         n, d = flat.shape
@@ -158,32 +225,46 @@ class MoE(nn.Cell):
         Slot s = n*k + j goes to row start[e_s] + rank_s of a padded buffer [P, D], where
         each expert's rows start at a multiple of T (counts rounded up to T), so every
         block of T rows belongs to one expert: the experts run as one batched matmul over
-        [P/T, T, D] with each block's weights gathered. P = T*ceil(N*k/T) + E*T is static.
-        Gather-free forward scatter: a segment sum (its backward is the gather)."""
+        [P/T, T, D] with each block's weights picked by a one-hot matmul. P = T*ceil(N*k/T)
+        + E*T is static. Tokens come in by a row gather (its backward the one segment sum
+        that also adds a token's k copies) and go out by one segment sum over the rows
+        weighted by their slot's weight (its backward a gather): no sum over k, no
+        reduction over D outside a matmul."""
         n, d = flat.shape
         slots = n * self.k
-        t = _block_size(slots, self.e)
+        t = _block_size(slots, self.e, self.block_rows)
         nb = -(-slots // t) + self.e
         p = nb * t
         oh = one.reshape(slots, self.e)  # [S, E] fp32 0/1, S = N*k slots
+        ones_e = ops.ones((self.e, 1), ms.float32)
         # rank of a slot among its expert's slots, in slot order (exclusive cumsum)
-        rank = ((ops.cumsum(oh, 0) - oh) * oh).sum(-1)  # [S]
-        counts = oh.sum(0)  # [E]
+        rank = ops.matmul((ops.cumsum(oh, 0) - oh) * oh, ones_e).reshape(-1)  # [S]
+        counts = ops.matmul(ops.ones((1, slots), ms.float32), oh).reshape(-1)  # [E]
         padded = ops.ceil(counts / t) * t
         ends = ops.cumsum(padded, 0)  # [E]
         starts = ends - padded
-        dest = ops.stop_gradient((oh * starts).sum(-1) + rank).astype(ms.int32)  # [S]
-        xs = flat.expand_dims(1).broadcast_to((n, self.k, d)).reshape(slots, d)
-        xs = ops.unsorted_segment_sum(xs, dest, p).reshape(nb, t, d)  # pad rows are 0
-        # block b belongs to the expert whose padded range holds row b*T; blocks past the
-        # last expert's range hold only zero rows (any expert will do: the last)
+        dest = ops.stop_gradient(ops.matmul(oh * starts, ones_e).reshape(-1) + rank)
+        dest = dest.astype(ms.int32)  # [S], distinct rows
+        # the token (1-based; 0 = a pad row) each row holds: exact in fp32 below 2^24
+        slot_token = Tensor(np.repeat(np.arange(1, n + 1, dtype=np.float32), self.k))
+        row_token = ops.unsorted_segment_sum(slot_token, dest, p)  # [P]
+        row_token = ops.stop_gradient(row_token).astype(ms.int32)
+        padded_flat = ops.concat((ops.zeros((1, d), flat.dtype), flat), 0)  # row 0: zeros
+        xs = ops.gather(padded_flat, row_token, 0).reshape(nb, t, d)
+        # block b belongs to expert owner[b] = #experts whose padded range ends at or
+        # before row b*T (blocks past the last range hold only zero rows: the last
+        # expert), as a one-hot [nb, E]: 1 where ends[e-1] <= b*T < ends[e]
         bstart = Tensor(np.arange(nb, dtype=np.float32) * t)
-        owner = (ops.stop_gradient(ends).expand_dims(0) <= bstart.expand_dims(1)).astype(ms.float32)
-        owner = ops.minimum(owner.sum(-1), self.e - 1).astype(ms.int32)  # [nb]
-        ys = self.experts(xs, owner)  # [nb, T, D]
-        ys = ops.gather(ys.reshape(p, d), dest, 0)  # [S, D]
-        y = (ys.reshape(n, self.k, d) * w.astype(ys.dtype).expand_dims(-1)).sum(1)
-        return y
+        past = (ops.stop_gradient(ends).expand_dims(0) <= bstart.expand_dims(1)).astype(ms.float32)
+        past = ops.concat((past[:, :-1], ops.zeros((nb, 1), ms.float32)), 1)  # [nb, E]
+        before = ops.concat((ops.ones((nb, 1), ms.float32), past[:, :-1]), 1)
+        owner = ops.stop_gradient(before - past)  # [nb, E] one-hot
+        ys = self.experts(xs, owner).reshape(p, d)  # [P, D]
+        # each row's slot weight (0 for pad rows); w's gradient comes back by a gather
+        row_w = ops.unsorted_segment_sum(w.reshape(slots), dest, p)  # [P]
+        ys = self.scale_rows(ys, row_w.astype(ys.dtype).reshape(p, 1))
+        like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
+        return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
 
     def construct(self, x):
         b, s, d = x.shape
