@@ -57,11 +57,13 @@ def compile_cache_dir(configured: str | None = None) -> Path:
 
 
 _SOURCE_DIGEST: str | None = None
+_SOURCE_SUFFIXES = (".py", ".cpp", ".cc", ".h")
 
 
 def mindloom_source_digest() -> str:
-    """sha256 over the path and bytes of every .py file of every installed `mindloom_*`
-    package: any code change (a planted bug included) makes every key new."""
+    """sha256 over the path and bytes of every source file (.py, and the C++ of the fused
+    kernels, whose library a graph names) of every installed `mindloom_*` package: any code
+    change (a planted bug included) makes every key new."""
     global _SOURCE_DIGEST
     if _SOURCE_DIGEST is None:
         import importlib.util
@@ -72,7 +74,8 @@ def mindloom_source_digest() -> str:
         for name in names:
             spec = importlib.util.find_spec(name)
             for root in sorted(spec.submodule_search_locations or []) if spec else []:
-                for path in sorted(Path(root).rglob("*.py")):
+                paths = (p for p in Path(root).rglob("*") if p.suffix in _SOURCE_SUFFIXES)
+                for path in sorted(paths):
                     h.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
                     h.update(path.read_bytes())
                     h.update(b"\0")
