@@ -14,7 +14,10 @@ import pytest
 from mindloom_model import CompileCache
 from mindspore import Tensor, nn, ops
 
-ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+ms.set_context(device_target="CPU")
+# graph mode for every test here, whatever mode an earlier test in this process left
+# (in PyNative nothing compiles, so nothing would be cached)
+pytestmark = pytest.mark.usefixtures("graph_mode")
 
 X = np.array([0.5, 1.0, 2.0], np.float32)
 
