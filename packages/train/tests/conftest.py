@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,7 @@ def _once_per_run(tmp_path_factory, name: str, build):
     with _locked(shared / f"{name}.lock"):
         if not result.exists():
             root = shared / name
+            shutil.rmtree(root, ignore_errors=True)  # what a failed build left
             root.mkdir()
             result.write_text(json.dumps(build(root)))
     return json.loads(result.read_text())

@@ -147,9 +147,27 @@ class _Process:
             return
         self.root = Path(tempfile.mkdtemp(prefix="mindloom-compile-"))
         atexit.register(shutil.rmtree, self.root, True)
+        self._entry_script()
         os.environ["MS_COMPILER_CACHE_PATH"] = str(self.root)
         self.graph_dir = self.root / f"rank_{rank}" / "graph_cache"
         self.graph_dir.mkdir(parents=True)
+
+    def _entry_script(self) -> None:
+        """MindSpore reads the dependency hash it no longer decides on (see `_Enabled`) from
+        the entry script, `sys.argv[0]` at its import; a process started with `python -c`
+        (a pytest-xdist worker, a notebook) has no such file and every cached compile then
+        fails ("No such file or directory: .../-c"). Point it at an empty script here."""
+        from mindspore.graph import api
+
+        entry = getattr(api, "entry_script_path", None)
+        if entry is not None and os.path.isfile(entry):
+            return
+        if not hasattr(api, "entry_script_path"):
+            self.broken = "this MindSpore has no entry_script_path to check"
+            return
+        empty = self.root / "entry_script.py"
+        empty.write_text("")
+        api.entry_script_path = str(empty)
 
     def check(self) -> None:
         """After a cached compile: MindSpore wrote under the rank directory expected."""
