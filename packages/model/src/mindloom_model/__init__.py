@@ -30,6 +30,7 @@ __all__ = [
     "__version__",
     "attention_bias",
     "causal_lm_loss",
+    "llama_loss",
     "compile_cache_dir",
     "dropout_key",
     "dropout_site",
@@ -73,6 +74,7 @@ _LAZY = {
     "LlamaWithLoss": "_llama",
     "attention_bias": "_llama",
     "causal_lm_loss": "_llama",
+    "llama_loss": "_llama",
     "rope_cos_sin": "_llama",
 }
 

@@ -582,14 +582,20 @@ class LlamaWithLoss(nn.Cell):
         self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None, dropout_key=None
     ):
         logits = self.model(tokens, position_ids, segment_ids, dropout_key)
-        ce = getattr(self.model, "loss_kernel", None)
-        if ce is not None:
-            # the fused loss takes per-token weights: the mask over its sum (or 1/N)
-            v = logits.shape[-1]
-            if loss_mask is None:
-                w = ops.fill(ms.float32, labels.reshape(-1).shape, 1.0 / labels.size)
-            else:
-                m = loss_mask.reshape(-1).astype(ms.float32)
-                w = m / ops.maximum(m.sum(), ops.ones((), ms.float32))
-            return ce(logits.reshape(-1, v), labels.reshape(-1).astype(ms.int32), w)[0]
-        return causal_lm_loss(logits, labels, loss_mask)
+        return llama_loss(self.model, logits, labels, loss_mask)
+
+
+def llama_loss(model, logits, labels, loss_mask=None):
+    """The loss of `model`'s logits: the fused cross-entropy kernel when the model has one,
+    else `causal_lm_loss` (LlamaWithLoss and the MaxLogits stats step share it)."""
+    ce = getattr(model, "loss_kernel", None)
+    if ce is not None:
+        # the fused loss takes per-token weights: the mask over its sum (or 1/N)
+        v = logits.shape[-1]
+        if loss_mask is None:
+            w = ops.fill(ms.float32, labels.reshape(-1).shape, 1.0 / labels.size)
+        else:
+            m = loss_mask.reshape(-1).astype(ms.float32)
+            w = m / ops.maximum(m.sum(), ops.ones((), ms.float32))
+        return ce(logits.reshape(-1, v), labels.reshape(-1).astype(ms.int32), w)[0]
+    return causal_lm_loss(logits, labels, loss_mask)

@@ -92,7 +92,7 @@ class NumericsFields:
 
 def _logit_stats_cells():
     import mindspore as ms
-    from mindloom_model import attention_bias, causal_lm_loss, rope_cos_sin
+    from mindloom_model import attention_bias, llama_loss, rope_cos_sin
     from mindspore import nn, ops
 
     class _Stats(nn.Cell):
@@ -163,7 +163,7 @@ def _logit_stats_cells():
             frac = ops.stop_gradient(self._frac_of(logits, loss_mask))
             stats = ops.concat((ops.stack(tops), frac.reshape(1)))
             return ops.depend(
-                _llama_loss(m, logits, labels, loss_mask), ops.assign(self.stats, stats)
+                llama_loss(m, logits, labels, loss_mask), ops.assign(self.stats, stats)
             )
 
     class MLALogitStats(_Stats):
@@ -188,19 +188,6 @@ def _logit_stats_cells():
                 tops = tops + (self._max_logit(layer.attn, layer.attn_norm(x), cos, sin, bias),)
                 x = layer(x, cos, sin, bias)[0]
             return ops.stack(tops), self._frac(x, loss_mask)
-
-    def _llama_loss(m, logits, labels, loss_mask):
-        # LlamaWithLoss.construct after the model's forward, the same ops
-        ce = getattr(m, "loss_kernel", None)
-        if ce is not None:
-            v = logits.shape[-1]
-            if loss_mask is None:
-                w = ops.fill(ms.float32, labels.reshape(-1).shape, 1.0 / labels.size)
-            else:
-                mk = loss_mask.reshape(-1).astype(ms.float32)
-                w = mk / ops.maximum(mk.sum(), ops.ones((), ms.float32))
-            return ce(logits.reshape(-1, v), labels.reshape(-1).astype(ms.int32), w)[0]
-        return causal_lm_loss(logits, labels, loss_mask)
 
     return LossWithLogitStats, MLALogitStats
 
