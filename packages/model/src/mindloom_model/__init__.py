@@ -67,7 +67,7 @@ _LAZY = {
     "dropout_key": "_dropout",
     "dropout_site": "_dropout",
     "generate": "_generate",
-    "HFFormatError": "_hf",
+    "HFFormatError": "_hf_files",
     "load_hf": "_hf",
     "save_hf": "_hf",
     "Llama": "_llama",

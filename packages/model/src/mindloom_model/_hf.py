@@ -15,20 +15,17 @@ import os
 from pathlib import Path
 
 import mindspore as ms
-import numpy as np
 
-from mindloom_model import _safetensors as st
 from mindloom_model._config import ModelConfig
+from mindloom_model._hf_files import (
+    CONFIG,
+    HFFormatError,
+    read_fp32_tensor,
+    read_safetensors_header,
+    weight_files,
+    write_hf_dir,
+)
 from mindloom_model._llama import Llama
-
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-
-class HFFormatError(ValueError):
-    """A Hugging Face directory that cannot be loaded; the message is one line."""
-
 
 # ----------------------------------------------------------------------------- names
 
@@ -134,22 +131,6 @@ def config_from_hf(d: dict, where: str = CONFIG, **overrides) -> ModelConfig:
         raise HFFormatError(f"{where}: {e}") from None
 
 
-# ----------------------------------------------------------------------------- safetensors
-
-
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """The codec's checked header, its refusal as an HFFormatError (the same line)."""
-    try:
-        return st.read_safetensors_header(path)
-    except st.SafetensorsError as e:
-        raise HFFormatError(str(e)) from None
-
-
-def _read_tensor(f, info: dict, data_start: int) -> np.ndarray:
-    # the model's parameters are fp32 masters whatever the file stores
-    return st.read_tensor(f, info, data_start, getattr(f, "name", "<file>")).astype(np.float32)
-
-
 # ----------------------------------------------------------------------------- save / load
 
 
@@ -183,22 +164,6 @@ def save_hf(
     return write_hf_dir(out_dir, tensors, hf_config(cfg, dtype, **config_extra), dtype)
 
 
-def write_hf_dir(out_dir, tensors: dict[str, np.ndarray], config: dict, dtype: str) -> Path:
-    """`out_dir/model.safetensors`, then `out_dir/config.json` last (atomically), so a
-    directory with a config is complete."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    st.write_safetensors(out / WEIGHTS, tensors, dtype, metadata={"format": "pt"})
-    tmp = out / (CONFIG + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / CONFIG)
-    return out
-
-
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     d, f, v, dh = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
     h, kv = cfg.num_heads * dh, cfg.num_kv_heads * dh
@@ -219,24 +184,6 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
     return shapes
-
-
-def _weight_files(root: Path) -> list[Path]:
-    if (root / INDEX).exists():
-        try:
-            index = json.loads((root / INDEX).read_text())
-            files = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise HFFormatError(
-                f"{root / INDEX}: not a safetensors index (needs a 'weight_map' object)"
-            ) from None
-        for name in files:
-            if Path(name).name != name:
-                raise HFFormatError(f"{root / INDEX}: shard name {name!r} is not a plain file name")
-        return [root / name for name in files]
-    if (root / WEIGHTS).exists():
-        return [root / WEIGHTS]
-    raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX} (only safetensors weights are loaded)")
 
 
 def load_hf(path: str | os.PathLike, **overrides) -> Llama:
@@ -264,7 +211,7 @@ def load_hf(path: str | os.PathLike, **overrides) -> Llama:
 
     expected = _expected_shapes(cfg)
     found: dict[str, tuple[Path, dict, int]] = {}
-    for file in _weight_files(root):
+    for file in weight_files(root):
         header, start = read_safetensors_header(file)
         for name, info in header.items():
             found[name] = (file, info, start)
@@ -292,7 +239,7 @@ def load_hf(path: str | os.PathLike, **overrides) -> Llama:
             if file not in handles:
                 handles[file] = open(file, "rb")
             p = params[ours]
-            p.set_data(ms.Tensor(_read_tensor(handles[file], info, start), p.dtype))
+            p.set_data(ms.Tensor(read_fp32_tensor(handles[file], info, start), p.dtype))
     finally:
         for f in handles.values():
             f.close()

@@ -18,6 +18,13 @@ import mindspore as ms
 import numpy as np
 
 from mindloom_model._deepseek import DeepseekV3
+from mindloom_model._hf_files import (
+    HFFormatError,
+    read_fp32_tensor,
+    read_safetensors_header,
+    weight_files,
+    write_hf_dir,
+)
 from mindloom_model._llama import ModelConfig
 
 log = logging.getLogger("mindloom_model")
@@ -83,8 +90,6 @@ def deepseek_hf_config(cfg: ModelConfig, dtype: str = "float32", **extra) -> dic
 
 
 def deepseek_config_from_hf(d: dict, where: str, **overrides) -> ModelConfig:
-    from mindloom_model._hf import HFFormatError
-
     def need(key):
         if key not in d:
             raise HFFormatError(f"{where}: missing key {key!r}")
@@ -228,8 +233,6 @@ def save_deepseek_hf(
 ) -> Path:
     """Write a DeepseekV3ForCausalLM directory. MTP modules only with include_mtp (they are
     a training objective; Hugging Face's model ignores them)."""
-    from mindloom_model._hf import write_hf_dir
-
     cfg = model.config
     mtp = cfg.num_nextn_predict_layers if include_mtp else 0
     params = {p.name: p.astype(ms.float32).asnumpy() for p in model.get_parameters()}
@@ -260,15 +263,8 @@ def load_deepseek_hf(root: Path, raw: dict, where: str, **overrides) -> Deepseek
     MTP depths whose tensors the files hold are loaded; `num_nextn_predict_layers` in
     `overrides` asks for more (fresh initialisation for those). Every tensor is checked
     against the config before any is read."""
-    from mindloom_model._hf import (
-        HFFormatError,
-        _read_tensor,
-        _weight_files,
-        read_safetensors_header,
-    )
-
     found: dict[str, tuple[Path, dict, int]] = {}
-    for file in _weight_files(root):
+    for file in weight_files(root):
         header, start = read_safetensors_header(file)
         for name, info in header.items():
             found[name] = (file, info, start)
@@ -312,7 +308,7 @@ def load_deepseek_hf(root: Path, raw: dict, where: str, **overrides) -> Deepseek
         file, info, start = found[hf]
         if file not in handles:
             handles[file] = open(file, "rb")
-        return _read_tensor(handles[file], info, start)
+        return read_fp32_tensor(handles[file], info, start)
 
     try:
         for ours, hf in deepseek_hf_names(cfg, load_mtp).items():
