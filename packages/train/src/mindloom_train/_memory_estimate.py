@@ -142,21 +142,23 @@ def _static_bytes(sizes, policy: Policy, dp, zero, accum_micro) -> dict[str, flo
     return out
 
 
-def estimate(
-    cfg,
-    *,
-    nproc: int | None = None,
-    device: str | None = None,
-    vocab_size: int | None = None,
-    mcfg=None,
-    runtime_bytes: int | None = None,
-    ranks_per_host: int | None = None,
-    suggest: bool = True,
-) -> Estimate:
-    """The per-rank estimate of `cfg` on `nproc` ranks (default: the layout's world)."""
-    if mcfg is None:
-        mcfg = _model_config(cfg, vocab_size)
-    p, t = cfg.parallelism, cfg.training
+@dataclass(frozen=True)
+class _Layout:
+    """The degrees the estimate uses (one process: everything 1) and the micro-batches
+    alive at once."""
+
+    world: int
+    dp: int
+    tp: int
+    pp: int
+    zero: bool
+    sp: bool
+    micro: int
+    engine: bool  # the PyNative engine's step (tp, pp or ZeRO-1) rather than the compiled one
+
+
+def _layout(cfg, mcfg, nproc: int | None) -> _Layout:
+    p = cfg.parallelism
     world = nproc or cfg.world_size
     if world == 1:
         dp = tp = pp = 1  # one process trains the whole model (parallelism needs msrun)
@@ -169,20 +171,116 @@ def estimate(
             )
     if mcfg.num_layers % pp:
         raise _cfg_error(f"config parallelism: pp={pp} does not divide {mcfg.num_layers} layers")
-    dname, usable, ddesc, is_cpu = resolve_device(cfg, device, ranks_per_host or world)
-    notes: list[str] = []
-    # compute dtype: the CPU backend has no 16-bit MatMul, the trainer computes in fp32
-    cdt = mcfg.compute_dtype if not is_cpu else "float32"
-    c = _BYTES[cdt]
-    pbytes = _BYTES[mcfg.param_dtype]
-    policy = Policy(param=pbytes, grad=pbytes)
-    b, s = t.micro_batch_size, cfg.train_dataset.seq_length
     engine = world > 1 and (tp > 1 or pp > 1 or zero)
     micro = p.micro_batch_num if (p.micro_batch_num > 1 or pp > 1) else cfg.grad_accum_steps
     if not engine:
         micro = cfg.grad_accum_steps
+    return _Layout(world, dp, tp, pp, zero, sp, micro, engine)
 
-    stages = _stage_param_sizes(mcfg, tp, pp)
+
+@dataclass(frozen=True)
+class _Activations:
+    """What one stage's activation bytes depend on."""
+
+    mcfg: Any
+    lay: _Layout
+    b: int  # micro-batch size
+    s: int  # sequence length
+    c: int  # bytes of the compute dtype
+    inv_dense: list
+    inv_moe: list
+    recomputed: frozenset
+    cpu_graph: bool  # MindSpore's CPU backend, compiled step (one process or plain dp)
+
+    def stage(self, st: int) -> tuple[float, int]:
+        """(activation bytes, micro-batches in flight) of pipeline stage `st`."""
+        from mindloom_parallel import stage_layers
+
+        mcfg, lay, b, s, c = self.mcfg, self.lay, self.b, self.s, self.c
+        layers = stage_layers(mcfg.num_layers, lay.pp, st)
+        in_flight = min(lay.pp - st, lay.micro) if lay.pp > 1 else 1
+        act = 0.0
+        recompute_work = 0.0
+        for i in layers:
+            moe = mcfg.family != "llama" and i >= mcfg.first_k_dense_replace
+            inv = self.inv_moe if moe else self.inv_dense
+            full = layer_activation_bytes(inv, b, s, lay.tp, lay.sp)
+            if i in self.recomputed and self.cpu_graph:
+                # the CPU graph keeps every intermediate to the step's end: a recomputed
+                # layer's forward is kept twice, nothing is freed (Llama: op outputs below)
+                act += 2 * full
+            elif i in self.recomputed:
+                act += layer_activation_bytes(inv, b, s, lay.tp, lay.sp, "full")
+                recompute_work = max(recompute_work, full)  # rebuilt one layer at a time
+            else:
+                act += full
+        # the [B, 1, S, S] fp32 attention bias (segment ids: one per sample) and its masks
+        mask = 6 * b * s * s
+        act = act * in_flight + mask + recompute_work
+        if st == lay.pp - 1:
+            # final norm (fp32 copy + head input), fp32 logits, the loss's exp (kept for its
+            # backward) and the gradient of the logits; a 16-bit head adds its own output
+            n_tok, v_local = b * s, mcfg.vocab_size / lay.tp
+            depths = 1 + (mcfg.num_nextn_predict_layers if mcfg.family != "llama" else 0)
+            head = n_tok * mcfg.hidden_size * (4 + c) + 3 * 4 * n_tok * v_local
+            if c != 4:
+                head += c * n_tok * v_local
+            act += head * depths
+        # backward transient: the gradient of a layer's largest saved tensor, twice
+        largest = max(x.bytes(b, s, lay.tp, lay.sp) for x in self.inv_dense + self.inv_moe)
+        act += 2 * largest
+        if self.cpu_graph and mcfg.family == "llama":
+            act = mask
+            for i in layers:
+                act += cpu_graph_intermediates(mcfg, b, s, i in self.recomputed)[0]
+            act += cpu_graph_intermediates(mcfg, b, s, False)[1]
+        return act, in_flight
+
+
+def _communication(cfg, mcfg, lay: _Layout, sizes, policy: Policy, act, in_flight, n_tok, c):
+    """Communication buffers: what lives during the backward (TP region all-reduces,
+    pipeline send/recv) adds to the activations; what lives at the optimizer step, after
+    the backward freed the activations (the gradient buckets' concatenation and its
+    all-reduced copy; ZeRO-1's flat vector of the owners' new values and its all-reduce),
+    counts only where it exceeds them."""
+    comm = 0.0
+    if lay.tp > 1:
+        comm += 2 * n_tok * mcfg.hidden_size * c
+    if lay.pp > 1:
+        comm += 2 * in_flight * n_tok * mcfg.hidden_size * c
+    step_comm = 0.0
+    if lay.dp > 1:
+        step_comm += 2 * min(cfg.parallelism.bucket_size_mb * MiB, sum(sizes) * policy.grad)
+    if lay.zero and lay.dp > 1:
+        step_comm = max(step_comm, 2 * sum(sizes) * policy.param)
+    return comm + max(0.0, step_comm - act)
+
+
+def estimate(
+    cfg,
+    *,
+    nproc: int | None = None,
+    device: str | None = None,
+    vocab_size: int | None = None,
+    mcfg=None,
+    runtime_bytes: int | None = None,
+    ranks_per_host: int | None = None,
+    suggest: bool = True,
+) -> Estimate:
+    """The per-rank estimate of `cfg` on `nproc` ranks (default: the layout's world)."""
+    from mindloom_parallel import stage_layers
+
+    if mcfg is None:
+        mcfg = _model_config(cfg, vocab_size)
+    lay = _layout(cfg, mcfg, nproc)
+    dname, usable, ddesc, is_cpu = resolve_device(cfg, device, ranks_per_host or lay.world)
+    notes: list[str] = []
+    # compute dtype: the CPU backend has no 16-bit MatMul, the trainer computes in fp32
+    cdt = mcfg.compute_dtype if not is_cpu else "float32"
+    c = _BYTES[cdt]
+    policy = Policy(param=_BYTES[mcfg.param_dtype], grad=_BYTES[mcfg.param_dtype])
+    b, s = cfg.training.micro_batch_size, cfg.train_dataset.seq_length
+    stages = _stage_param_sizes(mcfg, lay.tp, lay.pp)
     if mcfg.family == "llama":
         inv_dense = inv_moe = llama_block(mcfg, c)
         n_moe = 0
@@ -190,84 +288,26 @@ def estimate(
         inv_dense, inv_moe = deepseek_blocks(mcfg, c)
         n_moe = mcfg.num_layers - mcfg.first_k_dense_replace
         notes.append("deepseek_v3: per-stage parameters split evenly; MoE activations at even load")
-    per_layer_dense = layer_activation_bytes(inv_dense, b, s, tp, sp)
-    per_layer_moe = layer_activation_bytes(inv_moe, b, s, tp, sp)
-    recomputed = set()
+    recomputed: set = set()
     if mcfg.recompute == "full":
         recomputed = set(range(mcfg.num_layers))
     elif mcfg.recompute == "selected":
         recomputed = set(mcfg.recompute_layers)
-    v_local = mcfg.vocab_size / tp
-    n_tok = b * s
-    from mindloom_parallel import stage_layers
-
-    # MindSpore's CPU backend, compiled step (one process or plain data parallel)
-    cpu_graph = is_cpu and cfg.context.mode == "graph" and not engine
+    cpu_graph = is_cpu and cfg.context.mode == "graph" and not lay.engine
+    acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph)
     stage_act, stage_tot, comps_by_stage = [], [], []
-    for st in range(pp):
-        layers = stage_layers(mcfg.num_layers, pp, st)
-        in_flight = min(pp - st, micro) if pp > 1 else 1
-        act = 0.0
-        recompute_work = 0.0
-        for i in layers:
-            inv = (
-                inv_moe
-                if (mcfg.family != "llama" and i >= mcfg.first_k_dense_replace)
-                else inv_dense
-            )
-            full = layer_activation_bytes(inv, b, s, tp, sp)
-            if i in recomputed and cpu_graph:
-                # the CPU graph keeps every intermediate to the step's end: a recomputed
-                # layer's forward is kept twice, nothing is freed (Llama: op outputs below)
-                act += 2 * full
-            elif i in recomputed:
-                act += layer_activation_bytes(inv, b, s, tp, sp, "full")
-                recompute_work = max(recompute_work, full)  # rebuilt one layer at a time
-            else:
-                act += full
-        # the [B, 1, S, S] fp32 attention bias (segment ids: one per sample) and its masks
-        mask = 6 * b * s * s
-        act = act * in_flight + mask + recompute_work
-        if st == pp - 1:
-            # final norm (fp32 copy + head input), fp32 logits, the loss's exp (kept for its
-            # backward) and the gradient of the logits; a 16-bit head adds its own output
-            depths = 1 + (mcfg.num_nextn_predict_layers if mcfg.family != "llama" else 0)
-            head = n_tok * mcfg.hidden_size * (4 + c) + 3 * 4 * n_tok * v_local
-            if c != 4:
-                head += c * n_tok * v_local
-            act += head * depths
-        # backward transient: the gradient of a layer's largest saved tensor, twice
-        largest = max(x.bytes(b, s, tp, sp) for x in inv_dense + inv_moe)
-        act += 2 * largest
-        if cpu_graph and mcfg.family == "llama":
-            act = mask
-            for i in layers:
-                act += cpu_graph_intermediates(mcfg, b, s, i in recomputed)[0]
-            act += cpu_graph_intermediates(mcfg, b, s, False)[1]
-        comps = _static_bytes(stages[st], policy, dp, zero, micro)
-        # communication: what lives during the backward (TP region all-reduces, pipeline
-        # send/recv) adds to the activations; what lives at the optimizer step, after the
-        # backward freed the activations (the gradient buckets' concatenation and its
-        # all-reduced copy; ZeRO-1's flat vector of the owners' new values and its
-        # all-reduce), counts only where it exceeds them
-        comm = 0.0
-        if tp > 1:
-            comm += 2 * n_tok * mcfg.hidden_size * c
-        if pp > 1:
-            comm += 2 * in_flight * n_tok * mcfg.hidden_size * c
-        step_comm = 0.0
-        if dp > 1:
-            step_comm += 2 * min(p.bucket_size_mb * MiB, sum(stages[st]) * policy.grad)
-        if zero and dp > 1:
-            step_comm = max(step_comm, 2 * sum(stages[st]) * pbytes)
-        comm += max(0.0, step_comm - act)
+    for st in range(lay.pp):
+        act, in_flight = acts.stage(st)
+        comps = _static_bytes(stages[st], policy, lay.dp, lay.zero, lay.micro)
         comps["activations"] = act
-        comps["communication buffers"] = comm
+        comps["communication buffers"] = _communication(
+            cfg, mcfg, lay, stages[st], policy, act, in_flight, b * s, c
+        )
         comps_by_stage.append(comps)
         stage_act.append(int(act))
     if runtime_bytes is None:
         runtime_bytes = (
-            RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if world > 1 else 0)
+            RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if lay.world > 1 else 0)
             if is_cpu
             else RUNTIME_GPU_BYTES
         )
@@ -276,17 +316,14 @@ def estimate(
         comps["fragmentation reserve"] = FRAGMENTATION_SHARE * alloc
         comps["runtime"] = runtime_bytes
         if cpu_graph:
-            n_layers = len(stage_layers(mcfg.num_layers, pp, st))
+            n_layers = len(stage_layers(mcfg.num_layers, lay.pp, st))
             comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
         stage_tot.append(int(sum(comps.values())))
-    worst = max(range(pp), key=lambda i: stage_tot[i])
+    worst = max(range(lay.pp), key=lambda i: stage_tot[i])
     components = {k: int(v) for k, v in comps_by_stage[worst].items()}
     if is_cpu and cdt != mcfg.compute_dtype:
         notes.append(f"CPU: compute in float32 (no {mcfg.compute_dtype} MatMul)")
-    if n_moe:
-        per_layer = int(per_layer_moe)
-    else:
-        per_layer = int(per_layer_dense)
+    per_layer = layer_activation_bytes(inv_moe if n_moe else inv_dense, b, s, lay.tp, lay.sp)
     est = Estimate(
         components=components,
         total=int(sum(components.values())),
@@ -294,15 +331,15 @@ def estimate(
         device=dname,
         device_note=ddesc,
         layout={
-            "world": world,
-            "dp": dp,
-            "tp": tp,
-            "pp": pp,
-            "zero_stage": int(zero),
-            "sequence_parallel": sp,
+            "world": lay.world,
+            "dp": lay.dp,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "zero_stage": int(lay.zero),
+            "sequence_parallel": lay.sp,
             "micro_batch_size": b,
             "seq_length": s,
-            "micro_batches": micro,
+            "micro_batches": lay.micro,
             "recompute": mcfg.recompute,
             "recompute_layers": sorted(recomputed),
             "most_loaded_stage": worst,
@@ -311,13 +348,13 @@ def estimate(
             "num_params": mcfg.num_params(),
             "family": mcfg.family,
         },  # fmt: skip
-        per_layer_activation=per_layer,
+        per_layer_activation=int(per_layer),
         stage_activations=stage_act,
         stage_totals=stage_tot,
         notes=notes,
     )
     if suggest and not est.fits:
-        est.suggestions = _suggestions(cfg, est, nproc=world, device=device, mcfg=mcfg,
+        est.suggestions = _suggestions(cfg, est, nproc=lay.world, device=device, mcfg=mcfg,
                                        runtime_bytes=runtime_bytes, ranks_per_host=ranks_per_host,
                                        estimate=estimate)  # fmt: skip
     return est
