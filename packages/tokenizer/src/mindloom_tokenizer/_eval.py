@@ -73,38 +73,12 @@ def evaluate(
         raise TokenizerError(f"no sentences to evaluate in {' '.join(files)}")
 
     kinds = tok.piece_kinds()
-    n_tokens = n_unk = n_byte = 0
-    script_tokens: Counter = Counter()
     if tok.model_type == "char":
-        table = tok._backend._table
-        for text in sample:
-            cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-            ids = np.full(cps.shape, -1, dtype=np.int64)
-            inside = cps < len(table)
-            ids[inside] = table[cps[inside]]
-            n_tokens += ids.size
-            # Without an unknown id an unseen character cannot be encoded at all; count it
-            # as unknown rather than failing the evaluation.
-            n_unk += int((ids < 0).sum())
-            for ch in text:
-                script_tokens[script_of(ch)] += 1
+        n_tokens, n_unk, n_byte, script_tokens = _count_char_tokens(tok, sample)
     else:
-        protos = _encode_protos(tok.sentencepiece, sample, _threads(num_threads))
-        for text, proto in zip(sample, protos):
-            raw = text.encode("utf-8")
-            ids = []
-            for p in proto.pieces:
-                ids.append(p.id)
-                # Attribute a token to the first non-space character it covers. Byte
-                # fallback pieces of one character all start at that character.
-                chunk = raw[p.begin : max(p.end, p.begin + 4)].decode("utf-8", "ignore")
-                covered = chunk[: len(raw[p.begin : p.end].decode("utf-8", "ignore"))]
-                ch = covered.lstrip(" ")[:1] or chunk[:1]
-                script_tokens[script_of(ch) if ch else "other"] += 1
-            ids_arr = np.asarray(ids, dtype=np.int64)
-            n_tokens += ids_arr.size
-            n_unk += int((kinds[ids_arr] == 1).sum())
-            n_byte += int((kinds[ids_arr] == 3).sum())
+        n_tokens, n_unk, n_byte, script_tokens = _count_sentencepiece_tokens(
+            tok, kinds, sample, _threads(num_threads)
+        )
 
     n_chars = sum(len(t) for t in sample)
     n_bytes = sum(len(t.encode("utf-8")) for t in sample)
@@ -152,6 +126,47 @@ def evaluate(
         "read": stats.to_dict(),
     }
     return report
+
+
+def _count_char_tokens(tok: Tokenizer, sample: list[str]) -> tuple[int, int, int, Counter]:
+    """(tokens, unknown, byte-fallback, tokens per script) of a char tokenizer."""
+    n_tokens = n_unk = 0
+    script_tokens: Counter = Counter()
+    table = tok._backend._table
+    for text in sample:
+        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        ids = np.full(cps.shape, -1, dtype=np.int64)
+        inside = cps < len(table)
+        ids[inside] = table[cps[inside]]
+        n_tokens += ids.size
+        # Without an unknown id an unseen character cannot be encoded at all; count it
+        # as unknown rather than failing the evaluation.
+        n_unk += int((ids < 0).sum())
+        for ch in text:
+            script_tokens[script_of(ch)] += 1
+    return n_tokens, n_unk, 0, script_tokens
+
+
+def _count_sentencepiece_tokens(tok: Tokenizer, kinds, sample: list[str], threads: int):
+    """(tokens, unknown, byte-fallback, tokens per script) of a SentencePiece model."""
+    n_tokens = n_unk = n_byte = 0
+    script_tokens: Counter = Counter()
+    for text, proto in zip(sample, _encode_protos(tok.sentencepiece, sample, threads)):
+        raw = text.encode("utf-8")
+        ids = []
+        for p in proto.pieces:
+            ids.append(p.id)
+            # Attribute a token to the first non-space character it covers. Byte
+            # fallback pieces of one character all start at that character.
+            chunk = raw[p.begin : max(p.end, p.begin + 4)].decode("utf-8", "ignore")
+            covered = chunk[: len(raw[p.begin : p.end].decode("utf-8", "ignore"))]
+            ch = covered.lstrip(" ")[:1] or chunk[:1]
+            script_tokens[script_of(ch) if ch else "other"] += 1
+        ids_arr = np.asarray(ids, dtype=np.int64)
+        n_tokens += ids_arr.size
+        n_unk += int((kinds[ids_arr] == 1).sum())
+        n_byte += int((kinds[ids_arr] == 3).sum())
+    return n_tokens, n_unk, n_byte, script_tokens
 
 
 def _encode_protos(sp, texts: list[str], num_threads: int):

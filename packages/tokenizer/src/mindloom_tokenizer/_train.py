@@ -145,13 +145,27 @@ def train_tokenizer(
     train_s = time.monotonic() - t1
 
     digest = _write_model(out_dir, payload, backend)
-    ids = specials["ids"]
+    meta = _metadata(model_type, vocab_size, backend, specials["ids"], control_symbols,
+                     user_defined_symbols, files, text_key, seed, options,
+                     {"read": stats.to_dict(), **sample_stats}, digest)  # fmt: skip
+    write_json_atomic(os.path.join(out_dir, META_FILE), meta)
+    tok = Tokenizer.load(out_dir)
+    say(
+        f"wrote {out_dir}: {model_type}, vocab_size={tok.vocab_size:,} "
+        f"(read {read_s:.1f}s, train {train_s:.1f}s)"
+    )
+    return tok
+
+
+def _metadata(model_type, vocab_size, backend, ids, control_symbols, user_defined_symbols,
+              files, text_key, seed, options, stats, digest) -> dict:  # fmt: skip
+    """tokenizer.json's record of what was trained, on what and how."""
     if model_type == "char":
-        vocab_final = len(backend)
+        vocab_final = len(backend)  # every character seen (or the vocab_size cap)
         ids = {k: (v if v < vocab_final else -1) for k, v in ids.items()}
     else:
         vocab_final = vocab_size
-    meta = {
+    return {
         "format": "mindloom-tokenizer",
         "format_version": FORMAT_VERSION,
         "model_type": model_type,
@@ -163,18 +177,11 @@ def train_tokenizer(
         "text_key": text_key,
         "seed": seed,
         "options": options,
-        "stats": {"read": stats.to_dict(), **sample_stats},
+        "stats": stats,
         "model_sha256": digest,
         "mindloom_tokenizer_version": __version__,
         "sentencepiece_version": spm_version(),
     }
-    write_json_atomic(os.path.join(out_dir, META_FILE), meta)
-    tok = Tokenizer.load(out_dir)
-    say(
-        f"wrote {out_dir}: {model_type}, vocab_size={tok.vocab_size:,} "
-        f"(read {read_s:.1f}s, train {train_s:.1f}s)"
-    )
-    return tok
 
 
 def _check_arguments(model_type, vocab_size, input_sentence_size, max_sentence_length,
