@@ -141,14 +141,8 @@ def tokenize(
         raise ValueError(f"tokenizer {tokenizer_path} has no EOS id; use --no-eos")
     if append_bos and tok.bos_id < 0:
         raise ValueError(f"tokenizer {tokenizer_path} has no BOS id; drop --bos / append_bos")
-    settings = {"append_eos": append_eos, "text_key": text_key, "txt_mode": txt_mode}
-    settings["chunk_chars"] = chunk_chars
-    # only when set, so markers written before these options still match
-    if append_bos:
-        settings["append_bos"] = True
-    if metadata_fields is not None:
-        settings["metadata_fields"] = list(metadata_fields)
-        settings["id_key"] = id_key
+    settings = _settings(append_eos, append_bos, text_key, txt_mode, chunk_chars, metadata_fields,
+                         id_key)  # fmt: skip
     marker = output_prefix + ".done.json"
     fingerprint = _fingerprint(inputs, tokenizer_path, settings)
     if not force:
@@ -171,6 +165,37 @@ def tokenize(
     eos_id = tok.eos_id if append_eos else None
     bos_id = tok.bos_id if append_bos else None
     pool, encode = _encoder_pool(tok, tokenizer_path, dtype, eos_id, bos_id, workers)
+    _encode_all(pool, encode, tasks, sink, stats, builder, docmeta, output_prefix, workers,
+                allow_empty)  # fmt: skip
+    pool.shutdown(wait=True)
+    stats.seconds = time.perf_counter() - t0
+    write_dataset_metadata(
+        output_prefix,
+        dataset_metadata(tok, tokenizer_path, append_bos, append_eos, stats.documents,
+                         stats.tokens, metadata_fields, id_key),
+    )  # fmt: skip
+    done = {"fingerprint": fingerprint, "stats": stats.to_dict()}
+    atomic_write_bytes(marker, json.dumps(done, indent=1).encode())
+    return stats
+
+
+def _settings(append_eos, append_bos, text_key, txt_mode, chunk_chars, metadata_fields, id_key):
+    """What of the call goes into the completion marker's fingerprint."""
+    settings = {"append_eos": append_eos, "text_key": text_key, "txt_mode": txt_mode}
+    settings["chunk_chars"] = chunk_chars
+    # only when set, so markers written before these options still match
+    if append_bos:
+        settings["append_bos"] = True
+    if metadata_fields is not None:
+        settings["metadata_fields"] = list(metadata_fields)
+        settings["id_key"] = id_key
+    return settings
+
+
+def _encode_all(pool, encode, tasks, sink, stats, builder, docmeta, output_prefix, workers,
+                allow_empty) -> None:  # fmt: skip
+    """Encode every task in input order into the builder; on any failure nothing is left
+    that looks complete (the builder and the metadata writer abort)."""
     try:
         _encode_in_order(pool, encode, tasks, sink.write, workers)
         if stats.documents == 0 and not allow_empty:
@@ -191,16 +216,6 @@ def tokenize(
         if isinstance(exc, OSError) and not exc.filename:  # ENOSPC from write(): name it
             raise named_oserror(exc, output_prefix + ".bin") from None
         raise
-    pool.shutdown(wait=True)
-    stats.seconds = time.perf_counter() - t0
-    write_dataset_metadata(
-        output_prefix,
-        dataset_metadata(tok, tokenizer_path, append_bos, append_eos, stats.documents,
-                         stats.tokens, metadata_fields, id_key),
-    )  # fmt: skip
-    done = {"fingerprint": fingerprint, "stats": stats.to_dict()}
-    atomic_write_bytes(marker, json.dumps(done, indent=1).encode())
-    return stats
 
 
 def _still_complete(marker: str, fingerprint: str, output_prefix: str, vocab_size: int, dtype):
