@@ -20,9 +20,9 @@ from mindloom_model._config import ModelConfig
 from mindloom_model._hf_files import (
     CONFIG,
     HFFormatError,
+    check_tensor_shapes,
     read_fp32_tensor,
-    read_safetensors_header,
-    weight_files,
+    read_headers,
     write_hf_dir,
 )
 from mindloom_model._llama import Llama
@@ -210,25 +210,9 @@ def load_hf(path: str | os.PathLike, **overrides) -> Llama:
     cfg = config_from_hf(raw, str(cfg_path), **overrides)
 
     expected = _expected_shapes(cfg)
-    found: dict[str, tuple[Path, dict, int]] = {}
-    for file in weight_files(root):
-        header, start = read_safetensors_header(file)
-        for name, info in header.items():
-            found[name] = (file, info, start)
-    for name, (file, info, _) in found.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer older exports include; we recompute it
-        if name not in expected:
-            raise HFFormatError(
-                f"{file}: unexpected tensor {name!r} with shape {info['shape']} (not in a {cfg.num_layers}-layer Llama)"
-            )
-        if tuple(info["shape"]) != expected[name]:
-            raise HFFormatError(
-                f"{file}: tensor {name!r} has shape {info['shape']}, expected {list(expected[name])}"
-            )
-    for name, shape in expected.items():
-        if name not in found:
-            raise HFFormatError(f"{root}: missing tensor {name!r} (expected shape {list(shape)})")
+    found = read_headers(root)
+    check_tensor_shapes(found, expected, root, lambda name: False,
+                        f"(not in a {cfg.num_layers}-layer Llama)")  # fmt: skip
 
     model = Llama(cfg)
     params = {p.name: p for p in model.get_parameters()}

@@ -20,9 +20,9 @@ import numpy as np
 from mindloom_model._deepseek import DeepseekV3
 from mindloom_model._hf_files import (
     HFFormatError,
+    check_tensor_shapes,
     read_fp32_tensor,
-    read_safetensors_header,
-    weight_files,
+    read_headers,
     write_hf_dir,
 )
 from mindloom_model._llama import ModelConfig
@@ -263,11 +263,7 @@ def load_deepseek_hf(root: Path, raw: dict, where: str, **overrides) -> Deepseek
     MTP depths whose tensors the files hold are loaded; `num_nextn_predict_layers` in
     `overrides` asks for more (fresh initialisation for those). Every tensor is checked
     against the config before any is read."""
-    found: dict[str, tuple[Path, dict, int]] = {}
-    for file in weight_files(root):
-        header, start = read_safetensors_header(file)
-        for name, info in header.items():
-            found[name] = (file, info, start)
+    found = read_headers(root)
     probe = deepseek_config_from_hf(raw, where, **{**overrides, "num_nextn_predict_layers": 0})
     present = 0
     while any(n.startswith(f"model.layers.{probe.num_layers + present}.") for n in found):
@@ -279,23 +275,12 @@ def load_deepseek_hf(root: Path, raw: dict, where: str, **overrides) -> Deepseek
     expected = _expected_shapes(model, load_mtp)
     skip = {f"model.layers.{cfg.num_layers + j}.{n}" for j in range(present)
             for n in ("embed_tokens.weight", "shared_head.head.weight")}  # fmt: skip
-    for name, (file, info, _) in found.items():
-        if name.endswith("rotary_emb.inv_freq") or name in skip:
-            continue
-        if name not in expected:
-            if any(
-                name.startswith(f"model.layers.{cfg.num_layers + j}.")
-                for j in range(load_mtp, present)
-            ):
-                continue  # an MTP depth the override leaves out
-            raise HFFormatError(f"{file}: unexpected tensor {name!r} with shape {info['shape']}")
-        if tuple(info["shape"]) != expected[name]:
-            raise HFFormatError(
-                f"{file}: tensor {name!r} has shape {info['shape']}, expected {list(expected[name])}"
-            )
-    for name, shape in expected.items():
-        if name not in found:
-            raise HFFormatError(f"{root}: missing tensor {name!r} (expected shape {list(shape)})")
+    mtp_left_out = tuple(f"model.layers.{cfg.num_layers + j}." for j in range(load_mtp, present))
+
+    def ignore(name: str) -> bool:  # the release layout's MTP copies; depths left out
+        return name in skip or (name not in expected and name.startswith(mtp_left_out))
+
+    check_tensor_shapes(found, expected, root, ignore)
     if want > present:
         log.info(
             "%s: %d MTP depth(s) not in the checkpoint, initialised fresh", root, want - present

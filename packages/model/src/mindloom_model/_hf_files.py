@@ -17,6 +17,8 @@ __all__ = [
     "INDEX",
     "WEIGHTS",
     "HFFormatError",
+    "check_tensor_shapes",
+    "read_headers",
     "read_fp32_tensor",
     "read_safetensors_header",
     "weight_files",
@@ -77,3 +79,37 @@ def weight_files(root: Path) -> list[Path]:
     if (root / WEIGHTS).exists():
         return [root / WEIGHTS]
     raise HFFormatError(f"{root}: no {WEIGHTS} or {INDEX} (only safetensors weights are loaded)")
+
+
+def read_headers(root: Path) -> dict[str, tuple[Path, dict, int]]:
+    """Every tensor of the directory's weight files: name -> (file, header entry, data start)."""
+    found: dict[str, tuple[Path, dict, int]] = {}
+    for file in weight_files(root):
+        header, start = read_safetensors_header(file)
+        for name, info in header.items():
+            found[name] = (file, info, start)
+    return found
+
+
+def check_tensor_shapes(
+    found, expected: dict[str, tuple], root: Path, ignore, what: str = ""
+) -> None:
+    """Refuse, before anything is read, an unexpected, mis-shaped or missing tensor (one
+    line naming it). `ignore(name)` -> True skips a tensor the files may carry (a buffer
+    older exports include, a copy the mapping does not load); `what` ends the unexpected-
+    tensor line (e.g. "(not in a 2-layer Llama)")."""
+    for name, (file, info, _) in found.items():
+        if name.endswith("rotary_emb.inv_freq") or ignore(name):
+            continue  # a buffer older exports include; it is recomputed
+        if name not in expected:
+            raise HFFormatError(
+                f"{file}: unexpected tensor {name!r} with shape {info['shape']}"
+                + (f" {what}" if what else "")
+            )
+        if tuple(info["shape"]) != expected[name]:
+            raise HFFormatError(
+                f"{file}: tensor {name!r} has shape {info['shape']}, expected {list(expected[name])}"
+            )
+    for name, shape in expected.items():
+        if name not in found:
+            raise HFFormatError(f"{root}: missing tensor {name!r} (expected shape {list(shape)})")
