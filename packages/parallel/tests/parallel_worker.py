@@ -329,8 +329,11 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
     cfg = get_preset("debug", **overrides)
     pcfg = ParallelConfig(**kw)
     groups = init_parallel(pcfg, cfg)
-    model = parallelize_llama_graph(Llama(cfg, seed=99), pcfg, groups)
-    net = TPLlamaWithLoss(model, groups.tp)
+    # tp2+sp runs the CPU emulation of the all-gather (zero-padded all-reduce) that a TP
+    # group smaller than the world needs; tp2 the native AllGather of the world group
+    native = not pcfg.sequence_parallel
+    model = parallelize_llama_graph(Llama(cfg, seed=99), pcfg, groups, world_allgather=native)
+    net = TPLlamaWithLoss(model, groups.tp, world_allgather=native)
     params = model.trainable_params()
     names = [p.name for p in params]
     layout = tensor_layout(cfg, pcfg)

@@ -57,12 +57,12 @@ def _is_world(group: Group) -> bool:
 class _SeqOps(nn.Cell):
     """All-gather / reduce-scatter of [B, S, ...] along axis 1 over ``group``, as graph ops."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, world_allgather: bool = True):
         super().__init__()
         self.n, self.index = group.size, group.index
         self.allreduce = _allreduce(group)
         # a native AllGather: on HCCL / NCCL always, on MCCL only over the world group
-        native = group.size > 1 and (native_collectives() or _is_world(group))
+        native = group.size > 1 and (native_collectives() or (world_allgather and _is_world(group)))
         self.allgather = ops.AllGather(group=group.name) if native else None
         self.native_rs = group.size > 1 and native_collectives()
         self.reducescatter = (
@@ -128,11 +128,12 @@ class ReduceFromTPGraph(nn.Cell):
 
 class GatherSeqGraph(nn.Cell):
     """Sequence parallel region entry: all-gather along the sequence; backward
-    reduce-scatter."""
+    reduce-scatter. ``world_allgather=False``: the CPU emulation even over the world group
+    (tests run it on two workers)."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, world_allgather: bool = True):
         super().__init__()
-        self.seq = _SeqOps(group)
+        self.seq = _SeqOps(group, world_allgather)
 
     def construct(self, x):
         return self.seq.gather(x)
@@ -145,9 +146,9 @@ class ReduceScatterSeqGraph(nn.Cell):
     """Sequence parallel region exit: reduce-scatter along the sequence; backward
     all-gather."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, world_allgather: bool = True):
         super().__init__()
-        self.seq = _SeqOps(group)
+        self.seq = _SeqOps(group, world_allgather)
 
     def construct(self, x):
         return self.seq.scatter(x)
@@ -159,11 +160,11 @@ class ReduceScatterSeqGraph(nn.Cell):
 class _GroupMax(nn.Cell):
     """Elementwise max of [1, N] over the group, no gradient (all-gather, then max)."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, world_allgather: bool = True):
         super().__init__()
         self.n, self.index = group.size, group.index
         self.allreduce = _allreduce(group)
-        native = group.size > 1 and (native_collectives() or _is_world(group))
+        native = group.size > 1 and (native_collectives() or (world_allgather and _is_world(group)))
         self.allgather = ops.AllGather(group=group.name) if native else None
 
     def construct(self, x):
@@ -183,10 +184,10 @@ class VocabParallelLossMean(nn.Cell):
     """mean of nll over the unmasked tokens of local-vocab logits [B, S, V/tp] (fp32): the
     one-process ``causal_lm_loss`` of the full logits, the same value on every TP rank."""
 
-    def __init__(self, group: Group, vocab_start: int):
+    def __init__(self, group: Group, vocab_start: int, world_allgather: bool = True):
         super().__init__()
         self.vocab_start = vocab_start
-        self.row_max = _GroupMax(group)
+        self.row_max = _GroupMax(group, world_allgather)
         self.sum_exp = ReduceFromTPGraph(group)
         self.target = ReduceFromTPGraph(group)
 
@@ -210,12 +211,12 @@ class TPLlamaWithLoss(nn.Cell):
     """``LlamaWithLoss`` for a Llama split by ``parallelize_llama_graph``: the same inputs,
     the global mean loss of the micro-batch on every TP rank."""
 
-    def __init__(self, model, tp: Group):
+    def __init__(self, model, tp: Group, world_allgather: bool = True):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         from mindloom_parallel._tp import vocab_start
 
         self.model = model
-        self.loss = VocabParallelLossMean(tp, vocab_start(model.config, tp))
+        self.loss = VocabParallelLossMean(tp, vocab_start(model.config, tp), world_allgather)
 
     def construct(
         self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None, dropout_key=None
@@ -226,15 +227,16 @@ class TPLlamaWithLoss(nn.Cell):
         return self.loss(logits, labels, loss_mask)
 
 
-def parallelize_llama_graph(model, pcfg, groups):
+def parallelize_llama_graph(model, pcfg, groups, world_allgather: bool = True):
     """``parallelize_llama`` with the graph region cells above: the model split in place
     for ``groups.tp`` (sequence parallel when ``pcfg.sequence_parallel``), to be run
-    inside a compiled step. Returns the model."""
+    inside a compiled step. Returns the model. ``world_allgather=False`` forces the CPU
+    all-gather emulation even where the TP group is the world (tests)."""
     from mindloom_parallel._tp import parallelize_llama
 
-    tp = groups.tp
+    tp, wa = groups.tp, world_allgather
     if pcfg.sequence_parallel:
-        regions = (lambda: GatherSeqGraph(tp), lambda: ReduceScatterSeqGraph(tp))
+        regions = (lambda: GatherSeqGraph(tp, wa), lambda: ReduceScatterSeqGraph(tp, wa))
     else:
         regions = (lambda: CopyToTPGraph(tp), lambda: ReduceFromTPGraph(tp))
     return parallelize_llama(model, pcfg, groups, regions=regions)
