@@ -1,8 +1,9 @@
 """One training step, two ways, chosen once per run.
 
-`CompiledRunner`: the compiled step of `_step.py` (one process, or plain data parallel with
-the gradient all-reduce inside the graph). `EngineRunner`: `_parallel.EngineStep`, the
-PyNative `ParallelEngine` under a tensor / pipeline / ZeRO-1 layout. Both also own the
+`CompiledRunner`: the compiled step of `_step.py` (one process, plain data parallel with
+the gradient all-reduce inside the graph, or tensor parallel with its collectives inside
+the graph: `_tp_step`). `EngineRunner`: `_parallel.EngineStep`, the PyNative
+`ParallelEngine` under a pipeline / ZeRO-1 layout, or tensor parallel in pynative mode. Both also own the
 model state's way in and out of a checkpoint and their evaluation forward.
 
 The stop rule, the same for both: the loop acts on the `stop` and `time_up` of the

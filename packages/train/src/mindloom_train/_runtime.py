@@ -50,7 +50,8 @@ class Runtime:
 
     def init_dist(self) -> None:
         """Under msrun: communicator, this rank's coordinates and groups. Plain data parallel
-        keeps the compiled step; tp / pp / ZeRO-1 go through ParallelEngine (PyNative)."""
+        and (graph mode) tensor parallel keep the compiled step; pp / ZeRO-1, and tp in
+        pynative mode, go through ParallelEngine (PyNative)."""
         if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
             return
         from mindloom_parallel import ParallelConfigError, ParallelDims, init_parallel
