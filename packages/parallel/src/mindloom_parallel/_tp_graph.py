@@ -242,9 +242,8 @@ def parallelize_llama_graph(model, pcfg, groups, world_allgather: bool = True):
     return parallelize_llama(model, pcfg, groups, regions=regions)
 
 
-def tp_replicated(names, sequence_parallel: bool) -> tuple[bool, ...]:
+def tp_replicated(names) -> tuple[bool, ...]:
     """Per parameter name: True when every TP rank holds it whole (the norm weights)."""
-    del sequence_parallel
     return tuple(n.endswith("norm.weight") for n in names)
 
 
@@ -256,7 +255,7 @@ class TPGradReducer(nn.Cell):
     def __init__(self, params, names, groups, sequence_parallel: bool, dp_reducer=None):
         super().__init__()
         self.n = len(params)
-        rep = tp_replicated(names, sequence_parallel)
+        rep = tp_replicated(names)
         self.sp_idx = tuple(i for i in range(self.n) if rep[i]) if sequence_parallel else ()
         self.allreduce = _allreduce(groups.tp) if self.sp_idx else None
         self.dp_reducer = dp_reducer
@@ -281,7 +280,7 @@ class TPNormSquare(nn.Cell):
 
     def __init__(self, names, groups):
         super().__init__()
-        rep = tp_replicated(names, False)
+        rep = tp_replicated(names)
         first = groups.tp.index == 0
         self.weights = ms.Tensor(
             np.array([1.0 if (first or not r) else 0.0 for r in rep], np.float32)
