@@ -9,6 +9,13 @@ Communication share: each worker also times the same compiled step WITHOUT the r
 (interleaved, same process); share = 1 - t_without / t_with. Both arms run in this one
 invocation, alternating (one-process, dp2, one-process, dp2, ...), medians reported.
 
+With `--tp`, the same msrun workers then time tensor parallel (tp2, every rank on the
+whole batch) as ONE compiled step (`mindloom_parallel.parallelize_llama_graph`: the region
+collectives inside the graph) and through the PyNative `ParallelEngine` (the `context.mode:
+pynative` path), and print their ms/step next to the compiled dp2 step's:
+
+    ./dev bench benchmarks/parallel.py --preset debug --tp [--tp-sp]
+
 What the CPU backend can show: that the DP algorithm runs and what its all-reduce costs
 relative to compute when two workers share 2 cores. What it cannot show: scaling, since
 one process already uses both cores; that needs one device per worker.
@@ -72,6 +79,77 @@ def _step_cell(model, reducer):
     return Step()
 
 
+def _tp_step_cell(model, pcfg, groups):
+    """tp2 as one compiled step: the engine's split with graph region cells, SGD inside."""
+    import mindspore as ms
+    from mindloom_parallel import TPGradReducer, TPLlamaWithLoss, parallelize_llama_graph
+    from mindspore import nn, ops
+
+    model = parallelize_llama_graph(model, pcfg, groups)
+    net = TPLlamaWithLoss(model, groups.tp)
+    params = model.trainable_params()
+    names = [p.name for p in params]
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = net
+            self.params = ms.ParameterTuple(params)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.reducer = TPGradReducer(params, names, groups, pcfg.sequence_parallel)
+            self.opt = nn.SGD(self.params, learning_rate=0.1)
+
+        def construct(self, tokens, labels):
+            loss = self.net(tokens, labels)
+            grads = self.reducer(self.grad(self.net, self.params)(tokens, labels))
+            self.opt(grads)
+            return loss
+
+    return Step()
+
+
+def _time_engine(engine, tokens, labels, steps):
+    """tp2 through the PyNative ParallelEngine plus an in-place SGD update."""
+    from mindspore import ops
+
+    batch = {"tokens": tokens, "labels": labels}
+
+    def one():
+        loss, grads = engine.forward_backward(batch)
+        for p, g in zip(engine.params, grads):
+            ops.assign(p, p - 0.1 * g)
+        return loss
+
+    one()
+    one()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    return (time.perf_counter() - t0) / steps
+
+
+def tp_arms(args, groups_dp) -> dict:
+    """ms/step of tp2 compiled and tp2 through the engine (PyNative), same workers."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import ParallelConfig, ParallelEngine, init_parallel
+    from mindspore import Tensor
+
+    cfg = get_preset(args.preset)
+    pcfg = ParallelConfig(tp=2, sequence_parallel=args.tp_sp)
+    groups = init_parallel(pcfg, cfg)
+    tokens, labels = _batch(cfg, args.global_batch, args.seq)
+    step = _tp_step_cell(Llama(cfg), pcfg, groups)
+    compiled = [
+        _time_steps(step, Tensor(tokens), Tensor(labels), args.steps) for _ in range(args.repeats)
+    ]
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # the engine's mode (context.mode: pynative)
+    engine = ParallelEngine(Llama(cfg), pcfg, groups, micro_batch_size=args.global_batch)
+    eng = [_time_engine(engine, tokens, labels, args.engine_steps) for _ in range(args.repeats)]
+    return {"tp2_compiled_s": statistics.median(compiled), "tp2_engine_s": statistics.median(eng)}
+
+
 def _time_steps(step, tokens, labels, steps):
     step(tokens, labels).asnumpy()  # compile + warm up
     step(tokens, labels).asnumpy()
@@ -126,6 +204,8 @@ def worker(args) -> int:
         "tokens_per_s": args.global_batch * args.seq / ta,
         "comm_share": max(0.0, 1.0 - tb / ta),
     }
+    if args.tp:
+        res.update(tp_arms(args, groups))
     Path(args.result_dir, f"rank{groups.rank}.json").write_text(json.dumps(res))
     return 0
 
@@ -137,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tp", action="store_true", help="also time tp2 compiled and engine")
+    ap.add_argument("--tp-sp", action="store_true", help="tp2 arms with sequence parallel")
+    ap.add_argument("--engine-steps", type=int, default=3, help="steps of the engine arm")
     ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
@@ -150,7 +233,7 @@ def main(argv=None) -> int:
 
     from mindloom_parallel import launch
 
-    single, dp2, shares = [], [], []
+    single, dp2, shares, tp_rows = [], [], [], []
     for _ in range(args.repeats):
         single.append(_subprocess_one(args))
         with tempfile.TemporaryDirectory() as d:
@@ -164,6 +247,9 @@ def main(argv=None) -> int:
             ranks = [json.loads(Path(d, f"rank{i}.json").read_text()) for i in (0, 1)]
         dp2.append(min(x["tokens_per_s"] for x in ranks))
         shares.append(statistics.mean(x["comm_share"] for x in ranks))
+        if args.tp:  # the slower rank's step, as for dp2
+            tp_rows.append({k: max(x[k] for x in ranks) for k in ("step_s", "tp2_compiled_s",
+                                                                  "tp2_engine_s")})  # fmt: skip
     s1, s2 = statistics.median(single), statistics.median(dp2)
     print(
         f"model {args.preset}, global batch {args.global_batch} x {args.seq} tokens, GRAPH_MODE, CPU"
@@ -172,6 +258,16 @@ def main(argv=None) -> int:
     print(f"dp2 (msrun) : {s2:10.0f} tokens/s   (runs: {', '.join(f'{x:.0f}' for x in dp2)})")
     print(f"ratio dp2 / one process: {s2 / s1:.2f}")
     print(f"communication share of the dp2 step (median): {statistics.median(shares):.1%}")
+    if tp_rows:
+        med = {k: statistics.median(r[k] for r in tp_rows) for k in tp_rows[0]}
+        sp = " + sp" if args.tp_sp else ""
+        dp_ms = med["step_s"] * 1e3
+        print(f"dp2 compiled      : {dp_ms:9.1f} ms/step")
+        for key, label in (("tp2_compiled_s", f"tp2{sp} compiled"), ("tp2_engine_s",
+                                                                    f"tp2{sp} engine")):  # fmt: skip
+            ms_ = med[key] * 1e3
+            print(f"{label:<18}: {ms_:9.1f} ms/step   ({ms_ / dp_ms:.2f}x dp2 compiled)")
+        print(f"ratio tp2{sp} engine / compiled: {med['tp2_engine_s'] / med['tp2_compiled_s']:.1f}")
     return 0
 
 
@@ -179,7 +275,8 @@ def _fwd(args):
     return [
         "--preset", args.preset, "--global-batch", str(args.global_batch),
         "--seq", str(args.seq), "--steps", str(args.steps), "--repeats", "2",
-    ]  # fmt: skip
+        "--engine-steps", str(args.engine_steps),
+    ] + (["--tp"] if args.tp else []) + (["--tp-sp"] if args.tp_sp else [])  # fmt: skip
 
 
 def _subprocess_one(args) -> float:

@@ -39,6 +39,9 @@ LAYOUTS = {
     "dp2_compiled": (dict(dp=2), "sgd", {}),
     "tp2": (dict(tp=2), "sgd", {}),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), "sgd", {}),
+    # the same layouts as one compiled (@jit) step: mindloom_parallel's graph region cells
+    "tp2_compiled": (dict(tp=2), "sgd", {}),
+    "tp2_sp_compiled": (dict(tp=2, sequence_parallel=True), "sgd", {}),
     "pp2": (dict(pp=2, micro_batch_num=4), "sgd", {}),
     "pp2_tied": (dict(pp=2, micro_batch_num=2), "sgd", {"tie_embeddings": True}),
     "dp2_tp2": (dict(dp=2, tp=2), "sgd", {}),
@@ -249,6 +252,136 @@ def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
     return {"losses": losses, "grad_norms": [], "comm_share": None, "rank": groups.rank}
 
 
+MLP_SHAPES = {"x": (2, 4, 8), "w1": (12, 8), "w2": (8, 12)}  # column w1, row w2
+
+
+def mlp_arrays():
+    """Input, target and the full weights of the column+row parallel MLP check."""
+    rng = np.random.default_rng(5)
+    a = {k: rng.standard_normal(s).astype(np.float32) for k, s in MLP_SHAPES.items()}
+    a["t"] = rng.standard_normal(MLP_SHAPES["x"]).astype(np.float32)
+    return a
+
+
+def run_mlp_compiled(name: str, out: Path, steps: int = STEPS) -> dict:
+    """The smallest compiled TP check: y = (silu(f(x) W1_r^T)) W2_r^T summed by g, loss
+    mean((y - t)^2), in one @jit graph on each of two ranks; the loss, the input's
+    gradient (the all-reduce in f's bprop) and each rank's weight-shard gradients are
+    saved for the test to compare with NumPy."""
+    import mindspore as ms
+    from mindloom_parallel import ParallelConfig, init_parallel
+    from mindloom_parallel._tp_graph import CopyToTPGraph, ReduceFromTPGraph
+    from mindspore import Parameter, Tensor, nn, ops
+
+    groups = init_parallel(ParallelConfig(tp=2))
+    r, n = groups.tp.index, groups.tp.size
+    a = mlp_arrays()
+    k1, k2 = MLP_SHAPES["w1"][0] // n, MLP_SHAPES["w2"][1] // n
+    w1 = Parameter(Tensor(a["w1"][r * k1 : (r + 1) * k1]), name="w1")
+    w2 = Parameter(Tensor(a["w2"][:, r * k2 : (r + 1) * k2]), name="w2")
+
+    class MLP(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = w1, w2
+            self.enter = CopyToTPGraph(groups.tp)
+            self.exit = ReduceFromTPGraph(groups.tp)
+
+        def construct(self, x, t):
+            h = ops.silu(ops.matmul(self.enter(x), self.w1.T))
+            y = self.exit(ops.matmul(h, self.w2.T))
+            return ((y - t) ** 2).mean()
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.net = MLP()
+            self.grad = ops.GradOperation(get_all=True, get_by_list=True)
+            self.weights = ms.ParameterTuple([w1, w2])
+
+        @ms.jit
+        def construct(self, x, t):
+            return self.net(x, t), self.grad(self.net, self.weights)(x, t)
+
+    loss, ((dx, _), (g1, g2)) = Step()(Tensor(a["x"]), Tensor(a["t"]))
+    np.savez(out / f"{name}_rank{groups.rank}.npz", loss=loss.asnumpy(), dx=dx.asnumpy(),
+             w1=g1.asnumpy(), w2=g2.asnumpy())  # fmt: skip
+    return {"losses": [float(loss.asnumpy())], "rank": groups.rank}
+
+
+def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
+    """tp2 (and tp2+sp) as ONE compiled graph per step: forward, backward with every
+    region's collective, the sequence-parallel norm gradients' all-reduce and the global
+    gradient norm (mindloom_parallel._tp_graph), on the engine's split of the same model."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import ParallelConfig, init_parallel, shard_tensor, tensor_layout
+    from mindloom_parallel._tp_graph import (
+        TPGradReducer,
+        TPLlamaWithLoss,
+        TPNormSquare,
+        parallelize_llama_graph,
+    )
+    from mindspore import Tensor, nn, ops
+
+    kw, kind, overrides = LAYOUTS[name]
+    cfg = get_preset("debug", **overrides)
+    pcfg = ParallelConfig(**kw)
+    groups = init_parallel(pcfg, cfg)
+    # tp2+sp runs the CPU emulation of the all-gather (zero-padded all-reduce) that a TP
+    # group smaller than the world needs; tp2 the native AllGather of the world group
+    native = not pcfg.sequence_parallel
+    model = parallelize_llama_graph(Llama(cfg, seed=99), pcfg, groups, world_allgather=native)
+    net = TPLlamaWithLoss(model, groups.tp, world_allgather=native)
+    params = model.trainable_params()
+    names = [p.name for p in params]
+    layout = tensor_layout(cfg, pcfg)
+    full = Llama_state(cfg)
+    for n, p in zip(names, params):  # the checkpoint path: full tensors, this rank's shard
+        ops.assign(p, Tensor(shard_tensor(full[n], layout[n], groups.tp.index, groups.tp.size)))
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = net
+            self.weights = ms.ParameterTuple(params)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.reduce = TPGradReducer(params, names, groups, pcfg.sequence_parallel)
+            self.norm_sq = TPNormSquare(names, groups)
+
+        @ms.jit
+        def construct(self, tokens, labels, pos, seg, mask):
+            loss = self.net(tokens, labels, pos, seg, mask)
+            grads = self.reduce(self.grad(self.net, self.weights)(tokens, labels, pos, seg, mask))
+            sq = ()
+            for g in grads:
+                sq = sq + ((g * g).sum(),)
+            return loss, ops.sqrt(self.norm_sq(sq)), grads
+
+    step = Step()
+    opt = optimizer(params, names, kind, groups, 0)
+    losses, norms = [], []
+    t0 = time.perf_counter()
+    for b in batches(cfg.vocab_size)[:steps]:
+        t = {k: Tensor(v) for k, v in b.items()}
+        loss, norm, grads = step(t["tokens"], t["labels"], t["position_ids"],
+                                 t["segment_ids"], t["loss_mask"])  # fmt: skip
+        opt.step(grads)
+        losses.append(float(loss.asnumpy()))
+        norms.append(float(norm.asnumpy()))
+    np.savez(
+        out / f"{name}_rank{groups.rank}.npz", **{n: p.asnumpy() for n, p in zip(names, params)}
+    )
+    # no comm_share: the collectives run inside the compiled graph, where they are not timed
+    return {"losses": losses, "grad_norms": norms, "comm_share": None, "rank": groups.rank,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+RUNNERS = {"dp2_compiled": run_compiled_dp, "tp2_mlp_compiled": run_mlp_compiled,
+           "tp2_compiled": run_compiled_tp, "tp2_sp_compiled": run_compiled_tp}  # fmt: skip
+
+
 def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     from mindloom_model import get_preset
     from mindloom_model._llama import Llama
@@ -315,7 +448,7 @@ def main(argv=None) -> int:
         (out / "reference.json").write_text(json.dumps(res))
         return 0
     res = {
-        name: (run_compiled_dp if name == "dp2_compiled" else run_layout)(name, out, a.steps)
+        name: RUNNERS.get(name, run_layout)(name, out, a.steps)
         for name in a.layouts.split(",")
         if name
     }

@@ -34,7 +34,10 @@ WORKER = str(HERE / "parallel_worker.py")
 sys.path.insert(0, str(HERE))
 import parallel_worker as W  # noqa: E402
 
-TWO_WORKER_LAYOUTS = ["dp2", "dp2_sgd", "tp2", "tp2_sp", "pp2", "pp2_tied", "dp2_compiled"]
+TWO_WORKER_LAYOUTS = ["dp2", "dp2_sgd", "tp2", "tp2_sp", "pp2", "pp2_tied", "dp2_compiled",
+                      "tp2_compiled", "tp2_sp_compiled"]  # fmt: skip
+# run in the same launch, checked against NumPy on its own (not a layout of the model)
+TWO_WORKER_EXTRA = ["tp2_mlp_compiled"]
 FOUR_WORKER_LAYOUTS = ["dp2_tp2", "dp2_pp2", "tp2_pp2_sp"]
 # generous: under load, four workers importing MindSpore on two cores take minutes to meet
 CLUSTER_TIMEOUT_S = 300
@@ -113,7 +116,7 @@ def _launch_two_nodes(out: Path, name: str, layouts: list[str], nproc_per_node: 
 
 @pytest.fixture(scope="module")
 def two_workers(out, reference):
-    return _launch(out, "two", TWO_WORKER_LAYOUTS, 2)
+    return _launch(out, "two", TWO_WORKER_LAYOUTS + TWO_WORKER_EXTRA, 2)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,7 @@ def _check(layout: str, results: dict, ref: dict, run_dir: Path):
         # every rank reports the same global loss, equal to one process within 1e-5 relative
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=f"{layout} rank {rank}")
         shares = res[layout]["comm_share"]
-        if layout == "dp2_compiled":  # its all-reduce is inside the graph: not timed
+        if layout.endswith("_compiled"):  # its collectives are inside the graph: not timed
             assert shares is None
         else:  # every other layout communicates every step, timed from the host
             assert len(shares) == steps and all(0.0 < s < 1.0 for s in shares), shares
@@ -179,9 +182,43 @@ def test_two_worker_layouts_match_one_process(layout, two_workers, reference, ou
 
 
 def test_layouts_report_the_same_grad_norm(two_workers):
-    norms = {name: two_workers[0][name]["grad_norms"] for name in ("tp2", "tp2_sp", "pp2")}
-    np.testing.assert_allclose(norms["tp2"], norms["pp2"], rtol=1e-5)
-    np.testing.assert_allclose(norms["tp2"], norms["tp2_sp"], rtol=1e-5)
+    layouts = ("tp2", "tp2_sp", "pp2", "tp2_compiled", "tp2_sp_compiled")
+    norms = {name: two_workers[0][name]["grad_norms"] for name in layouts}
+    for name in layouts[1:]:
+        np.testing.assert_allclose(norms["tp2"], norms[name], rtol=1e-5, err_msg=name)
+
+
+def _silu(z):
+    return z / (1.0 + np.exp(-z))
+
+
+def test_compiled_column_row_parallel_mlp_equals_numpy(two_workers, out):
+    """The smallest compiled TP graph (parallel_worker.run_mlp_compiled): f, a column-
+    parallel W1, SiLU, a row-parallel W2, g, mean squared error, in one @jit graph per
+    rank. Loss, input gradient (f's backward all-reduce) and each rank's weight-shard
+    gradients against the whole MLP's forward and backward written out in NumPy."""
+    a = {k: v.astype(np.float64) for k, v in W.mlp_arrays().items()}
+    x, w1, w2, t = a["x"], a["w1"], a["w2"], a["t"]
+    z = x @ w1.T
+    h = _silu(z)
+    y = h @ w2.T
+    loss = ((y - t) ** 2).mean()
+    dy = 2.0 * (y - t) / y.size
+    gw2 = np.einsum("bsd,bsf->df", dy, h)
+    dh = dy @ w2
+    sig = 1.0 / (1.0 + np.exp(-z))
+    dz = dh * (sig * (1.0 + z * (1.0 - sig)))
+    gw1 = np.einsum("bsf,bsd->fd", dz, x)
+    dx = dz @ w1
+    k1, k2 = w1.shape[0] // 2, w2.shape[1] // 2
+    for rank in (0, 1):
+        got = np.load(out / "two" / f"tp2_mlp_compiled_rank{rank}.npz")
+        np.testing.assert_allclose(got["loss"], loss, rtol=1e-5)
+        np.testing.assert_allclose(got["dx"], dx, rtol=1e-4, atol=1e-6, err_msg="input grad")
+        np.testing.assert_allclose(got["w1"], gw1[rank * k1 : (rank + 1) * k1], rtol=1e-4,
+                                   atol=1e-6, err_msg=f"rank {rank}: column W1 grad")  # fmt: skip
+        np.testing.assert_allclose(got["w2"], gw2[:, rank * k2 : (rank + 1) * k2], rtol=1e-4,
+                                   atol=1e-6, err_msg=f"rank {rank}: row W2 grad")  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", FOUR_WORKER_LAYOUTS)

@@ -1,6 +1,7 @@
 """`mindloom launch` under tensor and pipeline parallel layouts (real msrun, 2 CPU workers).
 
-One reference run on one process, one tp=2 launch with sequence parallelism, one pp=2
+One reference run on one process, one tp=2 launch with sequence parallelism (the compiled
+step, `_tp_step`, since issue 16: context.mode graph is the default), one pp=2
 launch (2 micro-batches) and one dp=2 ZeRO-1 launch, all with tied embeddings (so pp2 sums
 the embedding's gradient over its first and last stage); every assertion below reuses
 them: losses, final weights and AdamW moments against the one-process run, comm fields in

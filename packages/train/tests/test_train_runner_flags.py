@@ -25,3 +25,24 @@ def test_every_combination_of_rank_flags_decodes_to_their_or():
             mean = np.float32(codes.sum(dtype=np.float32) * np.float32(1.0 / dp))
             want = (any(s for s, _ in flags), any(t for _, t in flags))
             assert _decode_flags(float(mean), dp) == want, (dp, flags)
+
+
+def test_tensor_parallel_compiles_in_graph_mode_and_keeps_the_engine_in_pynative():
+    """The one choice of step for tp (issue 16, first slice): tp alone or with sequence
+    parallel is compiled in graph mode; pynative, pipeline stages and ZeRO-1 keep the
+    engine (ParallelDims.needs_engine), plain data parallel was compiled before."""
+    from mindloom_parallel import ParallelDims
+    from mindloom_train._tp_step import compiled_tp
+
+    cases = [
+        (dict(tp=2), "graph", True),
+        (dict(tp=2, sequence_parallel=True), "graph", True),
+        (dict(tp=2), "pynative", False),
+        (dict(tp=2, pp=2), "graph", False),
+        (dict(tp=2, dp=2, zero_stage=1), "graph", False),
+        (dict(dp=2), "graph", False),  # the data-parallel compiled step, not this one
+    ]
+    for kw, mode, want in cases:
+        dims = ParallelDims(**kw)
+        assert compiled_tp(dims, mode) is want, (kw, mode)
+        assert dims.needs_engine == (kw.get("tp", 1) > 1 or "pp" in kw or "zero_stage" in kw)

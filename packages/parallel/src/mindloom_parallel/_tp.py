@@ -115,13 +115,15 @@ def vocab_start(model_cfg, tp: Group) -> int:
     return tp.index * (model_cfg.vocab_size // tp.size)
 
 
-def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None):
+def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None, regions=None):
     """Split ``model`` (a ``mindloom_model.Llama``) in place for ``groups.tp``; returns it.
 
     ``plan``: {module path pattern: style}, by default ``mindloom_model.llama_tp_plan()``;
     each module whose path matches is replaced (or, for ``local_heads``, adjusted) as its
     style says. Nothing is stored on the model: the vocabulary block of a rank is
-    ``vocab_start(model.config, groups.tp)``.
+    ``vocab_start(model.config, groups.tp)``. ``regions``: an (entry, exit) pair of
+    factories of the region cells; None: the engine's (PyNative, timed) ones below
+    (``_tp_graph.parallelize_llama_graph`` passes its compiled ones).
 
     Every rank must pass an identically initialized model (same seed): each keeps its own
     shard of the full weights. ``tp == 1`` leaves the model untouched. Parameter names
@@ -141,9 +143,13 @@ def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None):
     start = vocab_start(model.config, tp)
 
     def enter():
+        if regions is not None:
+            return regions[0]()
         return GatherSeq(tp) if sp else CopyToTP(tp)
 
     def exit_():
+        if regions is not None:
+            return regions[1]()
         return ReduceScatterSeq(tp) if sp else ReduceFromTP(tp)
 
     def apply(style: str, cell):

@@ -71,7 +71,7 @@ def build_model(cfg: Config, runtime, vocab_size: int, log: Callable[[str], None
             f"config key model.first_k_dense_replace: {mcfg.first_k_dense_replace} of "
             f"{mcfg.num_layers} layers dense and no MTP MoE block leaves no router to train"
         )
-    if moe and runtime.use_engine:
+    if moe and (runtime.use_engine or getattr(runtime, "compiled_tp", False)):
         raise ConfigError(
             "config parallelism: family deepseek_v3 trains under plain data parallel only "
             "(tp, pp and zero_stage are not wired for MoE yet)"

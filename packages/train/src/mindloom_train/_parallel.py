@@ -1,7 +1,7 @@
 """The trainer's step under a tensor / pipeline / ZeRO-1 layout (`mindloom launch`).
 
-The world-size-1 and plain data-parallel runs keep their compiled `TrainStep`. Any other
-layout runs here, on `mindloom_parallel`'s public API: `ParallelEngine` does forward and
+The world-size-1, plain data-parallel and (in graph mode) tensor-parallel runs keep their
+compiled `TrainStep` (`_tp_step`). Any other layout runs here, on `mindloom_parallel`'s public API: `ParallelEngine` does forward and
 backward for this rank (PyNative), `ZeroAdamW` applies the update to this rank's shards
 (ZeRO-1 ownership, the same fused AdamW kernel as the compiled step, the updated values
 shared over the data-parallel replicas) and gathers the checkpoint shards. What stays

@@ -1,8 +1,9 @@
 """One training step, two ways, chosen once per run.
 
-`CompiledRunner`: the compiled step of `_step.py` (one process, or plain data parallel with
-the gradient all-reduce inside the graph). `EngineRunner`: `_parallel.EngineStep`, the
-PyNative `ParallelEngine` under a tensor / pipeline / ZeRO-1 layout. Both also own the
+`CompiledRunner`: the compiled step of `_step.py` (one process, plain data parallel with
+the gradient all-reduce inside the graph, or tensor parallel with its collectives inside
+the graph: `_tp_step`). `EngineRunner`: `_parallel.EngineStep`, the PyNative
+`ParallelEngine` under a pipeline / ZeRO-1 layout, or tensor parallel in pynative mode. Both also own the
 model state's way in and out of a checkpoint and their evaluation forward.
 
 The stop rule, the same for both: the loop acts on the `stop` and `time_up` of the
@@ -112,6 +113,14 @@ class CompiledRunner:
         from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
 
         self.cfg, self.rt = cfg, runtime
+        # tensor parallel: the model is split in place and the loss net, parameters and
+        # reducers below are the compiled TP step's (_tp_step)
+        self.tp = None
+        if getattr(runtime, "compiled_tp", False):
+            from mindloom_train._tp_step import CompiledTP
+
+            self.tp = CompiledTP(built, cfg, runtime, log)
+            built = self.tp.built
         self.model, self.mcfg = built.model, built.mcfg
         # every graph below is called through graphs.run (see _graph_cache)
         self.graphs = make_compile_cache(cfg, runtime, built.mcfg, log)
@@ -125,10 +134,16 @@ class CompiledRunner:
             )
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
-        grad_red = loss_red = eval_red = None
+        grad_red = loss_red = eval_red = norm_red = None
         self.comm_probe, self._probe_grads, self._last_comm = None, None, None
         dp_size = runtime.dp_size
-        if runtime.groups is not None and dp_size > 1:
+        if self.tp is not None:
+            grad_red, loss_red = self.tp.grad_reducer, self.tp.loss_reducer
+            eval_red, norm_red = self.tp.eval_reducer, self.tp.norm_reducer
+            # the step's collectives in a graph of their own (see _probe_comm)
+            self.comm_probe, self._probe_grads = self.tp.probe.cell, self.tp.probe.inputs
+            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
+        elif runtime.groups is not None and dp_size > 1:
             from mindloom_parallel import GradReducer
 
             dp = runtime.groups.dp
@@ -151,8 +166,11 @@ class CompiledRunner:
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
-            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts
-        )
+            built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
+            norm_reducer=norm_red,
+        )  # fmt: skip
+        if self.tp is not None:
+            self.tp.attach(self.train_step, flags)
         self._init_stats(cfg, built, weights, flags, grad_red, loss_red, log)
         self.accum_step = (
             _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
@@ -173,6 +191,9 @@ class CompiledRunner:
         mon = cfg.monitor
         self.numerics = self.stats_step = self.logit_stats = self.logit_buffer = None
         if not (mon.numerics or mon.max_logits):
+            return
+        if self.tp is not None:  # per-tensor statistics of local shards: not wired yet
+            log("monitor: numerics and max_logits are not computed under tensor parallel")
             return
         self.numerics = NumericsFields(weights, mon.log_interval, cfg.training.train_iters)
         loss_net = built.loss_net
@@ -230,7 +251,8 @@ class CompiledRunner:
         hyper = inp.hyper(**inp.faults, prev_loss_sum=prev_sum, n_micro=self.accum, stop=stop)
         if several:  # both flags through the step's one all-reduce (see _encode_flags)
             h = hyper.asnumpy().copy()
-            h[H_STOP] = _encode_flags(stop, time_up, self.rt.dp_size)
+            # averaged over the world (dp-only: the dp group; tensor parallel: every rank)
+            h[H_STOP] = _encode_flags(stop, time_up, self.rt.world)
             hyper = Tensor(h)
         dkey = self._dropout_key(inp.step, self.accum - 1)
         with_numerics = self._log_step_stats(inp.step, batch, dkey)
@@ -249,7 +271,7 @@ class CompiledRunner:
         loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
         ok = bool(ok_t.asnumpy())
         if several:
-            stop, time_up = _decode_flags(float(stop_t.asnumpy()), self.rt.dp_size)
+            stop, time_up = _decode_flags(float(stop_t.asnumpy()), self.rt.world)
         else:
             stop, time_up = inp.flags()
         return StepResult(loss, gnorm, ok, stop, time_up)
@@ -267,7 +289,10 @@ class CompiledRunner:
 
     def checkpoint_shards(self) -> tuple[dict, dict] | None:
         """(shards, metadata) on the rank that writes; None elsewhere (the data-parallel
-        replicas are identical, rank 0 writes them)."""
+        replicas are identical, rank 0 writes them). Tensor parallel: collective, every
+        rank's shards to rank 0 (the engine path's files)."""
+        if self.tp is not None:
+            return self.tp.checkpoint_shards(self.rt.world)
         if self.rt.rank != 0:
             return None
         opt = {p.name: p.asnumpy() for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq)}
@@ -278,6 +303,8 @@ class CompiledRunner:
         return shards, ck.default_metadata(shards, self.rt.world)
 
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        if self.tp is not None:
+            return self.tp.load(arrays, where)
         opt_names = ("exp_avg.", "exp_avg_sq.")
         weights = {k: v for k, v in arrays.items() if not k.startswith(opt_names)}
         load_params(self.params + self.buffers, weights, where)
@@ -285,6 +312,8 @@ class CompiledRunner:
         load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
 
     def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        if self.tp is not None:
+            return self.tp.load_weights(arrays, where)
         load_params(self.params, arrays, where)
 
     def extra_fields(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ class Runtime:
         self.groups = None  # mindloom_parallel's process groups under msrun
         self.pcfg = None  # the layout they were built from
         self.use_engine = False
+        self.compiled_tp = False  # tp > 1 as a compiled step (_tp_step), not the engine
         self.stop_signal: str | None = None  # the first SIGTERM / SIGINT received
         self._old_handlers: dict = {}
 
@@ -49,13 +50,17 @@ class Runtime:
 
     def init_dist(self) -> None:
         """Under msrun: communicator, this rank's coordinates and groups. Plain data parallel
-        keeps the compiled step; tp / pp / ZeRO-1 go through ParallelEngine (PyNative)."""
+        and (graph mode) tensor parallel keep the compiled step; pp / ZeRO-1, and tp in
+        pynative mode, go through ParallelEngine (PyNative)."""
         if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
             return
         from mindloom_parallel import ParallelConfigError, ParallelDims, init_parallel
 
+        from mindloom_train._tp_step import compiled_tp
+
         dims = ParallelDims.from_section(self.cfg.parallelism)
-        self.use_engine = dims.needs_engine
+        self.compiled_tp = compiled_tp(dims, self.cfg.context.mode)
+        self.use_engine = dims.needs_engine and not self.compiled_tp
         pcfg = dims.for_steps(self.cfg.grad_accum_steps) if self.use_engine else dims
         try:
             groups = init_parallel(pcfg)

@@ -102,6 +102,7 @@ class TrainStep(_Base):
         moe: nn.Cell | None = None,
         numerics: bool = False,
         share: TrainStep | None = None,
+        norm_reducer: nn.Cell | None = None,
     ):
         super().__init__(auto_prefix=False)
         self.loss_net = loss_net
@@ -120,6 +121,8 @@ class TrainStep(_Base):
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.grad_reducer = grad_reducer
         self.loss_reducer = loss_reducer
+        # tensor parallel: the per-tensor squared norms of local shards -> the global sum
+        self.norm_reducer = norm_reducer
         # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
         # the expert biases after an applied update
         self.moe = moe
@@ -173,7 +176,8 @@ class TrainStep(_Base):
         for g in grads:
             flat = g.astype(ms.float32).reshape(1, -1)
             sq = sq + (ops.matmul(flat, flat.T).reshape(()),)
-        gnorm = ops.sqrt(ops.addn(sq)) * ops.abs(inv)
+        total = ops.addn(sq) if self.norm_reducer is None else self.norm_reducer(sq)
+        gnorm = ops.sqrt(total) * ops.abs(inv)
         ok = ops.logical_and(ops.isfinite(loss), ops.isfinite(gnorm))
         ok = ops.logical_and(ok, gnorm <= hyper[H_SPIKE])
         clip = hyper[H_CLIP]
