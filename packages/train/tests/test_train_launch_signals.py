@@ -124,6 +124,8 @@ def _awaiting(run: Path) -> bool:
 
 
 def _kill_job(config: Path) -> None:
+    if not config.exists():  # never started
+        return
     for pid in _job_pids(config):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -147,9 +149,9 @@ def jobs(prepared, tmp_path_factory) -> dict:
     try:
 
         def a_published_first_graphs() -> bool:
-            assert procs["a"].poll() is None, procs["a"].communicate()[1][-3000:]
             roles = _store_roles(store) if store.is_dir() else []
-            return roles.count("comm_probe") == 2 and roles.count("train_step") == 2
+            done = roles.count("comm_probe") == 2 and roles.count("train_step") == 2
+            return done or procs["a"].poll() is not None  # A's end: the cache test says why
 
         # B's graphs (and C's, but for its changed constant) are in the store from here
         wait_until(a_published_first_graphs, 900, "A's comm_probe and train_step published")
