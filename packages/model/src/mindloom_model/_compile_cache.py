@@ -24,6 +24,15 @@ to the file name MindSpore will read next; on a miss MindSpore compiles and writ
 file, which is published to the shared store under the key only after the compiled graph
 ran, with an atomic rename. Every file is removed from the private directory after each
 compile, so a counter that drifted can never load a stale file: it only misses.
+
+Under msrun the same holds per worker. Once MindSpore's cluster is initialized (`init()`)
+its file name carries the node's role, `rank_N/graph_cache/MS_WORKERcompile_cache_<k>.mindir`
+(compile_cache_manager.cc: `GetCompileCachePath` puts `GetRole()`, the initialized
+ClusterContext's node role, in front; `_role_prefix`); N is MindSpore's global rank, the
+`rank` a caller passes. Plain data parallel needs no more (the group file is read only in
+auto / semi-auto parallel mode). The rank stays in the caller's context: a data-parallel
+job's ranks compile the same graph text, but sharing gains nothing (they compile it at the
+same moment) and a graph that bakes in a rank-dependent value would load another rank's.
 """
 
 from __future__ import annotations
