@@ -1,8 +1,8 @@
 """Signals to `mindloom launch` (issue 23 item 2; reliability tests 14 and 15).
 
 Real msrun, 2 CPU workers, plain data parallel, a one-layer model, 4 steps; three launches
-at once (their start-up overlaps), each waiting at a known step through the test-only
-`await_stop` fault so no check depends on timing luck:
+(B's and C's start-up overlaps A's steps), each waiting at a known step through the
+test-only `await_stop` fault so no check depends on timing luck:
 
 - A: uninterrupted, the reference.
 - B: at step 2 the test sends SIGTERM to the launcher's process group (as a shell or a
@@ -17,11 +17,19 @@ at once (their start-up overlaps), each waiting at a known step through the test
 
 Before the fix, B's SIGTERM killed only the launcher (msrun and the workers ran on, in
 sessions of their own) and C's workers trained on to the end.
+
+The same launches carry the compile cache under msrun (`context.compile_cache`), all into
+one fresh store of this module: A starts alone and compiles every graph (cold); B and C
+start once A has published the graphs they build first, B's relaunch once A has ended.
+B and its relaunch load every graph on every rank (warm) and their steps equal A's bit for
+bit; C, with `rms_norm_eps` changed, compiles its graph afresh on each rank.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -40,6 +48,7 @@ from train_testutil import (
     run_cli,
     start_launch,
     step_records,
+    wait_until,
 )
 
 STEPS = 4
@@ -47,10 +56,32 @@ STOP_STEP = 2
 STOP_BUDGET_S = 180  # SIGTERM -> every process of the job gone (the documented grace is 300 s)
 
 
-def _config(prepared, run: Path) -> dict:
-    return base_config(prepared, run, model=TINY_MODEL, lr_scheduler=SCHED,
+def _config(prepared, run: Path, store: Path, **model) -> dict:
+    return base_config(prepared, run, model={**TINY_MODEL, **model}, lr_scheduler=SCHED,
                        training={"train_iters": STEPS, "micro_batch_size": 2},
-                       parallelism={"dp": 2}, checkpoint={"save_interval": 0})  # fmt: skip
+                       parallelism={"dp": 2}, checkpoint={"save_interval": 0},
+                       context={"compile_cache_dir": str(store)})  # fmt: skip
+
+
+# the graphs a launch of _config builds, each on every rank
+ROLES = ("comm_probe", "train_step", "eval_step")
+CACHE_LINE = re.compile(r"compile cache: (\d+) hits, (\d+) misses")
+
+
+def _cache_counts(run: Path) -> dict[int, tuple[int, int]]:
+    """rank -> (hits, misses) of the last launch into `run`, from each worker's log."""
+    out = {}
+    for rank in (0, 1):
+        text = (run / "msrun_logs" / f"worker_{rank}.log").read_text(errors="replace")
+        hits, misses = CACHE_LINE.findall(text)[-1]
+        out[rank] = (int(hits), int(misses))
+    return out
+
+
+def _store_roles(store: Path) -> list[str]:
+    """The role of every published entry (hidden names are entries being written)."""
+    entries = (p for p in store.glob("*/*") if not p.name.startswith("."))
+    return sorted(json.loads((e / "manifest.json").read_text())["role"] for e in entries)
 
 
 def _start(cfg: dict, path: Path, fault: str | None = None) -> subprocess.Popen:
@@ -93,6 +124,8 @@ def _awaiting(run: Path) -> bool:
 
 
 def _kill_job(config: Path) -> None:
+    if not config.exists():  # never started
+        return
     for pid in _job_pids(config):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -103,6 +136,7 @@ def _kill_job(config: Path) -> None:
 @pytest.fixture(scope="module")
 def jobs(prepared, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("launch_signals")
+    store = root / "compile_cache"
     runs = {name: root / name for name in "abc"}
     configs = {name: root / f"{name}.yaml" for name in "abc"}
     # an interrupted save of an earlier run in B's checkpoint directory
@@ -110,13 +144,22 @@ def jobs(prepared, tmp_path_factory) -> dict:
     for stale in (f".tmp-{step_dirname(9)}", step_dirname(7)):
         (ckdir / stale).mkdir(parents=True)
         (ckdir / stale / "model-partial.safetensors").write_bytes(b"x" * 10)
-    procs = {
-        "a": _start(_config(prepared, runs["a"]), configs["a"]),
-        "b": _start(_config(prepared, runs["b"]), configs["b"], f"await_stop@{STOP_STEP}"),
-        "c": _start(_config(prepared, runs["c"]), configs["c"], "await_stop@1"),
-    }
-    out: dict = {"runs": runs, "configs": configs}
+    procs = {"a": _start(_config(prepared, runs["a"], store), configs["a"])}
+    out: dict = {"runs": runs, "configs": configs, "store": store}
     try:
+
+        def a_published_first_graphs() -> bool:
+            roles = _store_roles(store) if store.is_dir() else []
+            done = roles.count("comm_probe") == 2 and roles.count("train_step") == 2
+            return done or procs["a"].poll() is not None  # A's end: the cache test says why
+
+        # B's graphs (and C's, but for its changed constant) are in the store from here
+        wait_until(a_published_first_graphs, 900, "A's comm_probe and train_step published")
+        out["roles_before_bc"] = _store_roles(store)
+        procs["b"] = _start(_config(prepared, runs["b"], store), configs["b"],
+                            f"await_stop@{STOP_STEP}")  # fmt: skip
+        procs["c"] = _start(_config(prepared, runs["c"], store, rms_norm_eps=1e-2),
+                            configs["c"], "await_stop@1")  # fmt: skip
         deadline = time.monotonic() + 900  # the first step compiles: slow on a loaded machine
         pending = {"b", "c"}
         while pending and time.monotonic() < deadline:
@@ -146,13 +189,16 @@ def jobs(prepared, tmp_path_factory) -> dict:
         )
         out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
         out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
-        # B's relaunch: resumes from step 2 and finishes (started while A still runs, so
-        # its start-up overlaps A's last steps)
-        procs["b2"] = _start(_config(prepared, runs["b"]), configs["b"])
+        out["b_cache"] = _cache_counts(runs["b"])
         _, err = procs["a"].communicate(timeout=900)
         assert procs["a"].returncode == 0, err[-3000:]
+        out["a_cache"] = _cache_counts(runs["a"])
+        # B's relaunch: resumes from step 2 and finishes; after A, so that every graph it
+        # builds (the evaluation's too) is in the store
+        procs["b2"] = _start(_config(prepared, runs["b"], store), configs["b"])
         _, err = procs["b2"].communicate(timeout=900)
         assert procs["b2"].returncode == 0, err[-3000:]
+        out["b2_cache"] = _cache_counts(runs["b"])
     finally:
         for proc in procs.values():
             if proc.poll() is None:  # only after a failed assertion or a timeout
@@ -211,7 +257,9 @@ def test_interrupted_saves_of_an_earlier_run_are_removed_at_start(jobs):
 def test_resume_after_the_sigterm_stop_is_bit_exact(jobs):
     a, b = step_records(jobs["runs"]["a"]), step_records(jobs["runs"]["b"])
     assert sorted(b) == list(range(1, STEPS + 1))
-    for step in range(STOP_STEP + 1, STEPS + 1):
+    # steps 1-2 are B's, 3-4 its relaunch's: graphs loaded from the store A compiled into
+    # (see the compile-cache test below), A's compiled from source
+    for step in range(1, STEPS + 1):
         for key in ("loss", "grad_norm", "lr"):
             assert b[step][key] == a[step][key], (step, key, b[step][key], a[step][key])
     starts = events(jobs["runs"]["b"], "start")
@@ -235,3 +283,17 @@ def test_sigkill_to_launcher_leaves_no_worker_running(jobs):
     assert jobs["c_left"] == []
     lock = RunLock(jobs["runs"]["c"] / ".launch.lock").acquire()  # free: nobody holds it
     lock.release()
+
+
+@pytest.mark.msrun
+def test_compile_cache_under_msrun_cold_warm_and_a_changed_constant(jobs):
+    """A (alone in a fresh store) compiles every graph on each rank; B and its relaunch load
+    every graph they build, on each rank (their steps equal A's bit for bit: the resume
+    test above); C's changed rms_norm_eps misses, so each of its ranks publishes a graph
+    of its own. Each rank has its own entry for each graph (the key holds the rank)."""
+    assert jobs["roles_before_bc"] == ["comm_probe"] * 2 + ["train_step"] * 2
+    assert jobs["a_cache"] == {0: (0, len(ROLES)), 1: (0, len(ROLES))}
+    assert jobs["b_cache"] == {0: (2, 0), 1: (2, 0)}  # comm_probe, train_step; no eval
+    assert jobs["b2_cache"] == {0: (len(ROLES), 0), 1: (len(ROLES), 0)}
+    roles = _store_roles(jobs["store"])
+    assert roles == sorted([*ROLES, *ROLES, "comm_probe", "comm_probe"]), roles

@@ -24,6 +24,15 @@ to the file name MindSpore will read next; on a miss MindSpore compiles and writ
 file, which is published to the shared store under the key only after the compiled graph
 ran, with an atomic rename. Every file is removed from the private directory after each
 compile, so a counter that drifted can never load a stale file: it only misses.
+
+Under msrun the same holds per worker. Once MindSpore's cluster is initialized (`init()`)
+its file name carries the node's role, `rank_N/graph_cache/MS_WORKERcompile_cache_<k>.mindir`
+(compile_cache_manager.cc: `GetCompileCachePath` puts `GetRole()`, the initialized
+ClusterContext's node role, in front; `_role_prefix`); N is MindSpore's global rank, the
+`rank` a caller passes. Plain data parallel needs no more (the group file is read only in
+auto / semi-auto parallel mode). The rank stays in the caller's context: a data-parallel
+job's ranks compile the same graph text, but sharing gains nothing (they compile it at the
+same moment) and a graph that bakes in a rank-dependent value would load another rank's.
 """
 
 from __future__ import annotations
@@ -171,8 +180,8 @@ class _Process:
 
     def check(self) -> None:
         """After a cached compile: MindSpore wrote under the rank directory expected."""
-        stray = [p for p in self.root.glob("rank_*/graph_cache/compile_cache_*.mindir")
-                 if p.parent != self.graph_dir]  # fmt: skip
+        stray = [p for p in self.root.glob("rank_*/graph_cache/*.mindir")
+                 if _index(p) >= 0 and p.parent != self.graph_dir]  # fmt: skip
         if stray:
             self.broken = f"MindSpore wrote {stray[0]}, not under {self.graph_dir}"
 
@@ -180,19 +189,41 @@ class _Process:
         return _Enabled()
 
     def slot(self) -> Path:
-        return self.graph_dir / f"compile_cache_{self.next_index}.mindir"
+        return self.graph_dir / f"{_role_prefix()}compile_cache_{self.next_index}.mindir"
 
     def written(self) -> list[Path]:
-        return sorted(self.graph_dir.glob("compile_cache_*.mindir"), key=_index)
+        return sorted((p for p in self.graph_dir.glob("*.mindir") if _index(p) >= 0), key=_index)
 
     def clear(self) -> None:
-        for p in self.root.glob("rank_*/graph_cache/compile_cache_*.mindir"):
-            p.unlink()
+        for p in self.root.glob("rank_*/graph_cache/*.mindir"):
+            if _index(p) >= 0:
+                p.unlink()
+
+
+# MindSpore's cache file name: the cluster role (see _role_prefix), then the counter
+_CACHE_FILE = re.compile(r"(?:MS_[A-Z]+)?compile_cache_(\d+)\.mindir")
 
 
 def _index(path: Path) -> int:
-    m = re.fullmatch(r"compile_cache_(\d+)\.mindir", path.name)
+    m = _CACHE_FILE.fullmatch(path.name)
     return int(m.group(1)) if m else -1
+
+
+def _role_prefix() -> str:
+    """The start of the file name MindSpore reads and writes for a cached compile. Once
+    its cluster is up (`init()` under msrun: MS_ROLE set, then `init_cluster`) the name
+    carries the node's role: `GetCompileCachePath` in compile_cache_manager.cc is
+    `rank_N/graph_cache/` + `GetRole()` + `compile_cache_<k>.mindir`, and `GetRole()` is
+    the ClusterContext's node role (`MS_WORKER` for a worker) when the cluster is
+    initialized, else empty. A wrong guess here only misses: the file staged under the
+    other name is not read, MindSpore compiles and writes a second file, and `_account`
+    publishes nothing when the files it finds are not exactly the one slot."""
+    role = os.environ.get("MS_ROLE", "")
+    if not role:
+        return ""
+    from mindspore.communication import GlobalComm
+
+    return role if GlobalComm.INITED else ""
 
 
 class _Enabled:
@@ -324,8 +355,8 @@ class CompileCache:
             return
         _PROCESS.next_index += 1
         if not written and staged is None:
-            # measured under msrun (MindSpore 2.10, CPU): a graph compiled after the
-            # communication init writes no cache file; nothing can be published
+            # MindSpore wrote no file this module recognises (a new naming scheme?):
+            # nothing can be published, and guessing further could load a wrong graph
             _PROCESS.broken = f"MindSpore wrote no cache file for {role}"
             self.misses += 1
             self.log(f"compile cache: off for this process ({_PROCESS.broken})")
