@@ -25,29 +25,22 @@ file, which is published to the shared store under the key only after the compil
 ran, with an atomic rename. Every file is removed from the private directory after each
 compile, so a counter that drifted can never load a stale file: it only misses.
 
-Under msrun the same holds per worker. Once MindSpore's cluster is initialized (`init()`)
-its file name carries the node's role, `rank_N/graph_cache/MS_WORKERcompile_cache_<k>.mindir`
-(compile_cache_manager.cc: `GetCompileCachePath` puts `GetRole()`, the initialized
-ClusterContext's node role, in front; `_role_prefix`); N is MindSpore's global rank, the
-`rank` a caller passes. Plain data parallel needs no more (the group file is read only in
-auto / semi-auto parallel mode). The rank stays in the caller's context: a data-parallel
-job's ranks compile the same graph text, but sharing gains nothing (they compile it at the
-same moment) and a graph that bakes in a rank-dependent value would load another rank's.
+MindSpore's side (the private directory, its file names under msrun, the switch) is
+`_compile_cache_ms`.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
-import re
 import shutil
-import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from mindloom_model._compile_cache_ms import PROCESS, cache_file_index
 
 __all__ = ["CompileCache", "compile_cache_dir", "mindloom_source_digest"]
 
@@ -139,120 +132,6 @@ def _cell_constants(cell) -> list:
     return out
 
 
-class _Process:
-    """MindSpore's side, once per process: the private directory its cache points at, the
-    index of the file its next cached compile reads or writes, and the rank directory."""
-
-    def __init__(self) -> None:
-        self.root: Path | None = None
-        self.graph_dir: Path | None = None
-        self.next_index = 0
-        self.broken: str | None = None  # why the cache is off for this process
-
-    def start(self, rank: int) -> None:
-        """Point MindSpore at a private directory, once per process (MindSpore fixes the
-        directory at the first cached compile of a process)."""
-        if self.root is not None or self.broken:
-            return
-        self.root = Path(tempfile.mkdtemp(prefix="mindloom-compile-"))
-        atexit.register(shutil.rmtree, self.root, True)
-        self._entry_script()
-        os.environ["MS_COMPILER_CACHE_PATH"] = str(self.root)
-        self.graph_dir = self.root / f"rank_{rank}" / "graph_cache"
-        self.graph_dir.mkdir(parents=True)
-
-    def _entry_script(self) -> None:
-        """MindSpore reads the dependency hash it no longer decides on (see `_Enabled`) from
-        the entry script, `sys.argv[0]` at its import; a process started with `python -c`
-        (a pytest-xdist worker, a notebook) has no such file and every cached compile then
-        fails ("No such file or directory: .../-c"). Point it at an empty script here."""
-        from mindspore.graph import api
-
-        entry = getattr(api, "entry_script_path", None)
-        if entry is not None and os.path.isfile(entry):
-            return
-        if not hasattr(api, "entry_script_path"):
-            self.broken = "this MindSpore has no entry_script_path to check"
-            return
-        empty = self.root / "entry_script.py"
-        empty.write_text("")
-        api.entry_script_path = str(empty)
-
-    def check(self) -> None:
-        """After a cached compile: MindSpore wrote under the rank directory expected."""
-        stray = [p for p in self.root.glob("rank_*/graph_cache/*.mindir")
-                 if _index(p) >= 0 and p.parent != self.graph_dir]  # fmt: skip
-        if stray:
-            self.broken = f"MindSpore wrote {stray[0]}, not under {self.graph_dir}"
-
-    def enabled(self):
-        return _Enabled()
-
-    def slot(self) -> Path:
-        return self.graph_dir / f"{_role_prefix()}compile_cache_{self.next_index}.mindir"
-
-    def written(self) -> list[Path]:
-        return sorted((p for p in self.graph_dir.glob("*.mindir") if _index(p) >= 0), key=_index)
-
-    def clear(self) -> None:
-        for p in self.root.glob("rank_*/graph_cache/*.mindir"):
-            if _index(p) >= 0:
-                p.unlink()
-
-
-# MindSpore's cache file name: the cluster role (see _role_prefix), then the counter
-_CACHE_FILE = re.compile(r"(?:MS_[A-Z]+)?compile_cache_(\d+)\.mindir")
-
-
-def _index(path: Path) -> int:
-    m = _CACHE_FILE.fullmatch(path.name)
-    return int(m.group(1)) if m else -1
-
-
-def _role_prefix() -> str:
-    """The start of the file name MindSpore reads and writes for a cached compile. Once
-    its cluster is up (`init()` under msrun: MS_ROLE set, then `init_cluster`) the name
-    carries the node's role: `GetCompileCachePath` in compile_cache_manager.cc is
-    `rank_N/graph_cache/` + `GetRole()` + `compile_cache_<k>.mindir`, and `GetRole()` is
-    the ClusterContext's node role (`MS_WORKER` for a worker) when the cluster is
-    initialized, else empty. A wrong guess here only misses: the file staged under the
-    other name is not read, MindSpore compiles and writes a second file, and `_account`
-    publishes nothing when the files it finds are not exactly the one slot."""
-    role = os.environ.get("MS_ROLE", "")
-    if not role:
-        return ""
-    from mindspore.communication import GlobalComm
-
-    return role if GlobalComm.INITED else ""
-
-
-class _Enabled:
-    """MindSpore's cache on for the compiles inside the block only (its environment switch
-    is read at each compile; set_context's would log a deprecation warning each time).
-
-    MS_DEV_FORCE_USE_COMPILE_CACHE skips MindSpore's own staleness check (a hash of the
-    entry script's imports outside site-packages), which is both too weak (it sees no
-    constant, no config, no installed mindloom code) and too strict: after one cache miss
-    a process never loads a cached graph again. The key of the entry staged here is the
-    staleness check instead."""
-
-    def __enter__(self):
-        self.old = os.environ.get("MS_COMPILER_CACHE_ENABLE")
-        os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
-        os.environ["MS_DEV_FORCE_USE_COMPILE_CACHE"] = "1"
-
-    def __exit__(self, *exc):
-        if self.old is None:
-            os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
-        else:
-            os.environ["MS_COMPILER_CACHE_ENABLE"] = self.old
-        os.environ.pop("MS_DEV_FORCE_USE_COMPILE_CACHE", None)
-        return False
-
-
-_PROCESS = _Process()
-
-
 class CompileCache:
     """Compiled graphs of one run, from and into the store at `store`.
 
@@ -309,7 +188,7 @@ class CompileCache:
 
     def run(self, role: str, cell, *args):
         """`cell(*args)`, compiled through the store when this call compiles."""
-        if not self.enabled or _PROCESS.broken:
+        if not self.enabled or PROCESS.broken:
             return cell(*args)
         sig = json.dumps([_signature(a) for a in args], default=str)
         seen = self._seen.setdefault(id(cell), set())
@@ -318,54 +197,54 @@ class CompileCache:
         seen.add(sig)
         self._cells.append(cell)
         try:
-            _PROCESS.start(self.rank)
+            PROCESS.start(self.rank)
         except OSError as exc:  # no private directory: compile as if there were no cache
-            _PROCESS.broken = f"no private directory ({exc})"
-        if _PROCESS.broken:
-            self.log(f"compile cache: off for this process ({_PROCESS.broken})")
+            PROCESS.broken = f"no private directory ({exc})"
+        if PROCESS.broken:
+            self.log(f"compile cache: off for this process ({PROCESS.broken})")
             return cell(*args)
         key = self.key(role, cell, args)
         entry = self.store / key[:2] / key
-        slot = _PROCESS.slot()
+        slot = PROCESS.slot()
         staged = self._stage(entry, slot)
         before = len(cell.compile_cache)
         try:
-            with _PROCESS.enabled():
+            with PROCESS.enabled():
                 out = cell(*args)
             _sync(out)  # the compiled graph ran, not only compiled
         except BaseException:
-            _PROCESS.clear()
+            PROCESS.clear()
             raise
         compiled = len(cell.compile_cache) > before
-        written = _PROCESS.written()
+        written = PROCESS.written()
         try:
             if compiled:
-                _PROCESS.check()
-            if _PROCESS.broken:
+                PROCESS.check()
+            if PROCESS.broken:
                 self.misses += 1
-                self.log(f"compile cache: off for this process ({_PROCESS.broken})")
+                self.log(f"compile cache: off for this process ({PROCESS.broken})")
             else:
                 self._account(role, entry, slot, staged, compiled, written)
         finally:
-            _PROCESS.clear()
+            PROCESS.clear()
         return out
 
     def _account(self, role, entry, slot, staged, compiled, written) -> None:
         if not compiled:  # MindSpore reused a graph of its own: no file read or written
             return
-        _PROCESS.next_index += 1
+        PROCESS.next_index += 1
         if not written and staged is None:
             # MindSpore wrote no file this module recognises (a new naming scheme?):
             # nothing can be published, and guessing further could load a wrong graph
-            _PROCESS.broken = f"MindSpore wrote no cache file for {role}"
+            PROCESS.broken = f"MindSpore wrote no cache file for {role}"
             self.misses += 1
-            self.log(f"compile cache: off for this process ({_PROCESS.broken})")
+            self.log(f"compile cache: off for this process ({PROCESS.broken})")
             return
         if [p.name for p in written] != [slot.name]:
             # something else compiled under the switch, or the counter is not where we
             # think: nothing is published, and the counter follows MindSpore's files
-            _PROCESS.next_index = (
-                max(_index(p) for p in written) + 1 if written else _PROCESS.next_index
+            PROCESS.next_index = (
+                max(cache_file_index(p) for p in written) + 1 if written else PROCESS.next_index
             )
             self.misses += 1
             self.log(f"compile cache: {role}: MindSpore's files were {[p.name for p in written]}, "
