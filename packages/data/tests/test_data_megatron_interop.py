@@ -1,23 +1,30 @@
 """Interoperability with megatron-core (the real package): files both ways, index arrays.
 
 megatron-core takes ~15 s to import (it pulls in torch and its model-parallel modules),
-so every check that needs it lives in this one module.
+so every check that needs it lives in this one module, and it is imported when this
+module's tests run (`_megatron`), not when the module is collected: under pytest-xdist
+every worker collects every file, so a top-level import cost each worker that import
+(11.6 CPU-s measured here).
 """
 
 from __future__ import annotations
 
-import megatron.core.datasets.indexed_dataset as mcore_idx  # required, never skipped
 import numpy as np
 import pytest
-import torch
-from megatron.core.datasets import helpers
-from megatron.core.datasets.gpt_dataset import (
-    _build_document_index,
-    _build_shuffle_index,
-)
 from mindloom_data import IndexedDataset, IndexedDatasetBuilder
 from mindloom_data._blend import blending_indices
 from mindloom_data._pack import build_concat_indices
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron():
+    """megatron-core and torch for every test here. Required, never skipped: a missing
+    package is an error in each of these tests."""
+    global mcore_idx, torch, helpers, _build_document_index, _build_shuffle_index
+    import megatron.core.datasets.indexed_dataset as mcore_idx
+    import torch
+    from megatron.core.datasets import helpers
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
 
 
 def _docs(seed=0, n=300, vocab=1000):

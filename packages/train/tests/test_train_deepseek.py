@@ -211,16 +211,21 @@ def test_resume_after_sigterm_is_bit_exact_including_the_bias(runs, run_b):
         assert ca[key] == cb[key], key
 
 
-def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path):
+def test_generate_and_export_hf_from_the_checkpoint(runs, tmp_path, capsys):
+    # the CLI's `main` in this process (what the `mindloom` script calls): no second and
+    # third MindSpore import; an uncaught exception would fail the test right here
     ckpt = runs["a"] / "checkpoints"
-    proc = run_cli("generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:",
-                   "--max-new-tokens", "8", "--temperature", "0")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("ROMEO:")
+    capsys.readouterr()
+    code = main(["generate", "--checkpoint", str(ckpt), "--prompt", "ROMEO:",
+                 "--max-new-tokens", "8", "--temperature", "0"])  # fmt: skip
+    got = capsys.readouterr()
+    assert code == 0, got.err[-2000:]
+    assert got.out.startswith("ROMEO:")
     out = tmp_path / "hf"
-    proc = run_cli("export-hf", "--checkpoint", str(ckpt), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "DeepseekV3ForCausalLM" in proc.stdout
+    code = main(["export-hf", "--checkpoint", str(ckpt), "--out", str(out)])
+    got = capsys.readouterr()
+    assert code == 0, got.err[-2000:]
+    assert "DeepseekV3ForCausalLM" in got.out
 
     import torch
     from mindloom_train._generate import load_model

@@ -1,7 +1,9 @@
 """The training loop on the real MindSpore CPU backend: resume modes, guards, metrics.
 
-Every run here but the shared reference `run_a` leaves the held-out set out (none of these
-claims is about evaluation, and its graph would be a second compile per run); the skip
+None of these claims is about evaluation. The runs with run A's config up to graph-free
+keys (B and its resumed process, the weights-only start C) keep its held-out set, so that
+their graphs' compile-cache key is run A's and they load its compiled graphs; every other
+run leaves the held-out set out (its graph would be a second compile per run). The skip
 guards and the stop on consecutive non-finite steps share one run (`guarded`)."""
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ def test_metrics_and_run_dir_follow_the_contract(run_a):
 
 def test_resume_is_bit_exact_in_a_new_process(prepared, run_a, tmp_path):
     """Run B: 4 steps, SIGTERM (saves, exits 0); a new process resumes to 8 = run A."""
-    cfg = base_config(prepared, tmp_path / "b", lr_scheduler=SCHED, eval_dataset=None)
+    # run A's config to the key (held-out set included): B and its resumed process load run
+    # A's compiled graphs from the compile cache instead of compiling their own
+    cfg = base_config(prepared, tmp_path / "b", lr_scheduler=SCHED)
     assert _run(cfg, fault="sigterm@4") == 0
     end = events(tmp_path / "b", "end")[-1]
     assert end["status"] == "stopped" and end["step"] == 4
@@ -86,7 +90,8 @@ def test_resume_is_bit_exact_in_a_new_process(prepared, run_a, tmp_path):
 
 def test_weights_only_start_has_fresh_optimizer_and_schedule(prepared, run_a, tmp_path):
     src = run_a / "checkpoints"
-    cfg = base_config(prepared, tmp_path / "c", lr_scheduler=SCHED, eval_dataset=None,
+    # run A's graphs (init_from and train_iters are graph-free keys): cache hits
+    cfg = base_config(prepared, tmp_path / "c", lr_scheduler=SCHED,
                       checkpoint={"init_from": str(src)}, training={"train_iters": 2})  # fmt: skip
     assert _run(cfg) == 0
     c, a = step_records(tmp_path / "c"), step_records(run_a)
