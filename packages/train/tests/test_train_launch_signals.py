@@ -309,4 +309,8 @@ def test_compile_cache_under_msrun_cold_warm_and_a_changed_constant(jobs):
     assert jobs["b_cache"] == {0: (2, 0), 1: (2, 0)}  # comm_probe, train_step; no eval
     assert jobs["b2_cache"] == {0: (len(ROLES), 0), 1: (len(ROLES), 0)}
     roles = _store_roles(jobs["store"])
-    assert roles == sorted([*ROLES, *ROLES, "comm_probe", "comm_probe"]), roles
+    # C's own entries: its comm_probe on each rank, compiled before its await at step 1.
+    # Its train_step too when its workers, SIGTERMed as the killed launcher's msrun dies,
+    # finish the step they were released into before msrun's SIGKILL lands (load-dependent)
+    assert roles.count("comm_probe") == 4 and roles.count("eval_step") == 2, roles
+    assert roles.count("train_step") in (2, 4), roles
