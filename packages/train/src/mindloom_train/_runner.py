@@ -6,100 +6,31 @@ the graph: `_tp_step`). `EngineRunner`: `_parallel.EngineStep`, the PyNative
 `ParallelEngine` under a pipeline / ZeRO-1 layout, or tensor parallel in pynative mode. Both also own the
 model state's way in and out of a checkpoint and their evaluation forward.
 
-The stop rule, the same for both: the loop acts on the `stop` and `time_up` of the
-`StepResult`, never on a flag only this rank has seen. With several ranks these are each
-rank's flags as it entered the step's collective, OR-ed over the ranks (so every rank saves,
-evaluates and leaves at the same step; a signal that arrives later is carried into the next
-step); with one rank there is nobody to agree with and they are read after the step.
+The stop rule both follow, and what the loop hands a runner, are in `_step_io`.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from mindloom_train import _checkpoint as ck
 from mindloom_train._config import Config
+from mindloom_train._engine_runner import EngineRunner
 from mindloom_train._rankstats import memory_row, rank_fields
+from mindloom_train._step_io import (  # noqa: F401  (re-exported: the loop's import path)
+    StepInputs,
+    StepResult,
+    StepRunner,
+    _decode_flags,
+    _encode_flags,
+    load_params,
+    tensors,
+)
 from mindloom_train._throughput import ThroughputWindow
-
-Flags = Callable[[], tuple[bool, bool]]  # this rank's (stop requested, time limit passed) now
-
-
-@dataclass(frozen=True)
-class StepResult:
-    loss: float
-    gnorm: float
-    ok: bool  # the update was applied
-    stop: bool  # agreed: a stop signal reached some rank
-    time_up: bool  # agreed: some rank passed training.time_limit_s
-    comm_s: float = 0.0  # time in collectives, where the host can time them (the engine)
-    rank_step_s: float = 0.0
-
-
-@dataclass
-class StepInputs:
-    """What the loop hands a runner for one step."""
-
-    step: int  # the update being computed (1-based)
-    batches: Iterator[dict[str, np.ndarray]]  # the loader: grad_accum_steps micro-batches
-    hyper: Callable[..., Any]  # keyword overrides -> the step's hyper vector
-    flags: Flags
-    faults: dict[str, Any] = field(default_factory=dict)  # test-only hyper overrides
-
-
-class StepRunner(Protocol):
-    def step(self, inp: StepInputs) -> StepResult: ...
-    def eval_loss(self, batch: dict[str, np.ndarray]) -> float: ...
-    def checkpoint_shards(self) -> tuple[dict, dict] | None: ...
-    def load(self, tensors: dict[str, np.ndarray], where: str) -> None: ...
-    def load_weights(self, tensors: dict[str, np.ndarray], where: str) -> None: ...
-    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]: ...
-    def extra_fields(self) -> dict[str, Any]: ...
-
-
-def tensors(batch: dict[str, np.ndarray]):
-    from mindspore import Tensor
-
-    return (
-        Tensor(batch["tokens"]),
-        Tensor(batch["labels"]),
-        Tensor(batch["position_ids"]),
-        Tensor(batch["segment_ids"]),
-        Tensor(batch["loss_mask"]),
-    )
-
-
-def load_params(params, arrays: dict[str, np.ndarray], where: str) -> None:
-    """Every parameter from `arrays`, by name, shapes checked; no other name allowed."""
-    import mindspore as ms
-
-    ck.check_tensor_names({p.name for p in params}, set(arrays), where)
-    for p in params:
-        arr = arrays[p.name]
-        if tuple(arr.shape) != tuple(p.shape):
-            raise ck.CheckpointError(
-                f"{where}: tensor {p.name!r} has shape {list(arr.shape)}, the model expects {list(p.shape)}"
-            )
-        p.set_data(ms.Tensor(arr, p.dtype))
-
-
-# The stop slot of the hyper vector is averaged over the data-parallel ranks inside the
-# compiled step. A stop signal adds 1 and a passed time limit adds 1 / (2 dp), so the mean
-# times dp is (ranks stopping) + (ranks out of time) / (2 dp): both are read back from it.
-def _encode_flags(stop: bool, time_up: bool, dp: int) -> float:
-    return (1.0 if stop else 0.0) + (0.5 / dp if time_up else 0.0)
-
-
-def _decode_flags(mean: float, dp: int) -> tuple[bool, bool]:
-    total = mean * dp
-    n_stop = math.floor(total + 0.25)
-    return n_stop > 0, total - n_stop > 0.25 / dp
 
 
 class CompiledRunner:
@@ -360,84 +291,6 @@ class CompiledRunner:
             "comm_share_ranks": share,
             **rank_fields(
                 [r[1:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
-            ),  # fmt: skip
-        }
-
-
-class EngineRunner:
-    """`_parallel.EngineStep`: forward/backward through ParallelEngine, the update on the
-    host; it gathers loss, grad norm and both flags from every rank in one all-gather."""
-
-    def __init__(self, built, cfg: Config, runtime, log: Callable[[str], None]):
-        from mindloom_train._parallel import EngineStep
-
-        self.cfg, self.rt, self.mcfg = cfg, runtime, built.mcfg
-        self.accum = cfg.grad_accum_steps
-        self.par = EngineStep(built.model, cfg, runtime.pcfg, runtime.groups, log)
-
-    def step(self, inp: StepInputs) -> StepResult:
-        micro = [next(inp.batches) for _ in range(self.accum)]
-        stop, time_up = inp.flags()
-        hyper = inp.hyper(**inp.faults, n_micro=self.accum, stop=stop)
-        loss, gnorm, ok, stop_any, time_any = self.par.step(
-            micro, hyper.asnumpy(), stop=stop, time_up=time_up,
-            dropout_keys=self._dropout_keys(inp.step),
-        )  # fmt: skip
-        if self.rt.world == 1:
-            stop_any, time_any = inp.flags()
-        m = self.par.rank_metrics
-        return StepResult(loss, gnorm, ok, stop_any, time_any, m["comm_s"], m["step_s"])
-
-    def _dropout_keys(self, step: int):
-        # the compiled step's keys (CompiledRunner._dropout_key): (seed, step, micro-batch),
-        # the micro-batch numbered across data-parallel ranks; the same on every tp/pp rank
-        if not self.mcfg.dropout or self.mcfg.family != "llama":
-            return None
-        from mindloom_model import dropout_key
-
-        first = self.rt.dp_rank * self.accum
-        return [dropout_key(self.cfg.seed, step, first + i) for i in range(self.accum)]
-
-    def eval_loss(self, batch: dict[str, np.ndarray]) -> float:
-        return self.par.eval_loss(batch)
-
-    def checkpoint_shards(self) -> tuple[dict, dict] | None:
-        """Collective: every rank sends its shards, rank 0 writes them all."""
-        from mindloom_train._parallel import chunk_metadata
-
-        shards = self.par.gather_shards()
-        if self.rt.rank != 0:
-            return None
-        metadata = ck.default_metadata({}, self.rt.world)
-        metadata["tensors"], _ = chunk_metadata(self.mcfg, self.rt.pcfg, self.rt.world)
-        return shards, metadata
-
-    def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
-        self.par.load(arrays, where)
-
-    def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
-        self.par.load_weights(arrays)
-
-    def extra_fields(self) -> dict[str, Any]:
-        return {}
-
-    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
-        """Measured around each collective (the engine runs PyNative), this rank and every rank."""
-        from mindloom_parallel import gather_rows
-
-        steps = max(window.steps, 1)
-        # (comm, the engine's step time) and this rank's memory row (_rankstats), gathered
-        rows = gather_rows([window.comm_s, window.rank_step_s,
-                            *memory_row(window.mean_step_time())], self.rt.groups.world)  # fmt: skip
-        ranks = [(float(r[0]), float(r[1])) for r in rows]
-        share = [c / s if s > 0 else 0.0 for c, s in ranks]
-        return {
-            "comm_s": ranks[self.rt.rank][0] / steps,
-            "comm_share": share[self.rt.rank],
-            "comm_s_ranks": [c / steps for c, _ in ranks],
-            "comm_share_ranks": share,
-            **rank_fields(
-                [r[2:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
             ),  # fmt: skip
         }
 
