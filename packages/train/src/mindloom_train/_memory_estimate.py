@@ -258,6 +258,19 @@ def _communication(cfg, mcfg, lay: _Layout, sizes, policy: Policy, act, in_fligh
     return comm + max(0.0, step_comm - act)
 
 
+def _layout_json(lay: _Layout, b: int, s: int, mcfg, recomputed, worst: int, cdt: str) -> dict:
+    """The estimate's `layout`: what it assumed about the run."""
+    return {
+        "world": lay.world, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+        "zero_stage": int(lay.zero), "sequence_parallel": lay.sp,
+        "micro_batch_size": b, "seq_length": s, "micro_batches": lay.micro,
+        "recompute": mcfg.recompute, "recompute_layers": sorted(recomputed),
+        "most_loaded_stage": worst, "compute_dtype": cdt,
+        "param_dtype": mcfg.param_dtype, "num_params": mcfg.num_params(),
+        "family": mcfg.family,
+    }  # fmt: skip
+
+
 def estimate(
     cfg,
     *,
@@ -332,24 +345,7 @@ def estimate(
         usable=int(usable),
         device=dname,
         device_note=ddesc,
-        layout={
-            "world": lay.world,
-            "dp": lay.dp,
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "zero_stage": int(lay.zero),
-            "sequence_parallel": lay.sp,
-            "micro_batch_size": b,
-            "seq_length": s,
-            "micro_batches": lay.micro,
-            "recompute": mcfg.recompute,
-            "recompute_layers": sorted(recomputed),
-            "most_loaded_stage": worst,
-            "compute_dtype": cdt,
-            "param_dtype": mcfg.param_dtype,
-            "num_params": mcfg.num_params(),
-            "family": mcfg.family,
-        },  # fmt: skip
+        layout=_layout_json(lay, b, s, mcfg, recomputed, worst, cdt),
         per_layer_activation=int(per_layer),
         stage_activations=stage_act,
         stage_totals=stage_tot,
