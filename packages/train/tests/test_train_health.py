@@ -17,7 +17,6 @@ from mindloom_train._config import ConfigError, from_dict
 from mindloom_train._health import RULES, HealthConfig, HealthMonitor
 from mindloom_train._metrics import MetricsWriter
 from train_testutil import (
-    TINY_MODEL,
     base_config,
     events,
     read_metrics,
@@ -192,10 +191,14 @@ def test_bad_health_settings_are_one_line_naming_the_key(health, msg):
 # --- three real runs: each rule the trainer can trip on one CPU process fires on a run built
 # to trip it, and the debug preset's own run trips none. comm_high needs two ranks (one
 # process has no communication: comm_share is 0 by construction); it is checked on
-# crafted streams above only.
+# crafted streams above only. The three runs differ only in settings that reach no compiled
+# graph (data paths, schedule, step counts, faults), so the compile cache builds the debug
+# preset's train, stats and eval graphs once for all three.
 
 RUN = {"train_iters": 24, "eval_interval": 0}
-MON = {"log_interval": 2, "progress_bar": False, "peak_tflops": 0.1, "health": {"flat_steps": 20}}
+MON = {"log_interval": 2, "progress_bar": False, "peak_tflops": 0.1, "numerics": True,
+       "max_logits": True, "health": {"flat_steps": 8, "grad_window": 6}}  # fmt: skip
+DATA = {"pack_mode": "best_fit"}
 
 
 def health_events(run_dir) -> list[tuple[str, int]]:
@@ -208,19 +211,18 @@ def test_a_learning_rate_of_1e7_and_injected_faults_raise_flat_loss_grad_norm_an
     """One run, three rules: a learning rate of 1e-7 learns nothing (flat_loss); the
     gradients of updates 14-18 scaled by 1e6 (fault grad_spike: three log records in a row
     far above the median of the six before; clipping keeps the update sane); the training
-    batches of updates 5-12 arriving 0.3 s late (fault slow_data: the loader's producer
+    batches of updates 7-12 arriving 1 s late (longer than a loaded machine's step) (fault slow_data: the loader's producer
     sleeps, the trainer's wait is the loader's own measurement)."""
     sched = {"lr": 1e-7, "min_lr": 1e-8, "warmup_iters": 2}
-    mon = {**MON, "health": {"flat_steps": 20, "grad_window": 6}}
-    cfg = base_config(prepared, tmp_path, model=TINY_MODEL, training=RUN, monitor=mon,
+    cfg = base_config(prepared, tmp_path, train_dataset=DATA, training=RUN, monitor=MON,
                       lr_scheduler=sched)  # fmt: skip
-    assert run_config(cfg, fault="grad_spike@14-18,slow_data@5-12:0.3") == 0
+    assert run_config(cfg, fault="grad_spike@14-18,slow_data@7-12:1.0") == 0
     got = health_events(tmp_path)
     assert sorted(rule for rule, _ in got) == ["data_wait", "flat_loss", "grad_norm_high"], got
     steps = dict(got)
     recs = step_records(tmp_path)
     # the reference: the step records themselves
-    assert steps["flat_loss"] == 20 and recs[20]["loss"] > 0.98 * recs[2]["loss"]
+    assert steps["flat_loss"] == 8 and recs[8]["loss"] > 0.98 * recs[2]["loss"]
     assert steps["grad_norm_high"] == 18
     normal = [recs[s]["grad_norm"] for s in range(2, 13, 2)]
     assert all(recs[s]["grad_norm"] > 1e3 * max(normal) for s in (14, 16, 18))
@@ -233,7 +235,7 @@ def test_a_learning_rate_of_1e7_and_injected_faults_raise_flat_loss_grad_norm_an
     for rule, step in got:
         assert f"health: step {step} {rule}: " in log
     start = events(tmp_path, "start")[0]
-    assert start["health"]["flat_steps"] == 20
+    assert start["health"]["flat_steps"] == 8
 
 
 def test_a_duplicated_short_document_raises_padding_cliff_eval_divergence_and_max_logits(
@@ -253,11 +255,10 @@ def test_a_duplicated_short_document_raises_padding_cliff_eval_divergence_and_ma
         builder.add_document(doc)
     builder.finalize()
     cfg = base_config(
-        prepared, tmp_path / "run", model=TINY_MODEL,
-        train_dataset={"data_prefix": [str(tmp_path / "dup")], "pack_mode": "best_fit"},
+        prepared, tmp_path / "run", monitor=MON,
+        train_dataset={**DATA, "data_prefix": [str(tmp_path / "dup")]},
         training={"train_iters": 24, "eval_interval": 4},
         lr_scheduler={"lr": 2e-2, "min_lr": 2e-2, "warmup_iters": 2},
-        monitor={**MON, "max_logits": True, "health": {"flat_steps": 8}},
     )  # fmt: skip
     assert run_config(cfg) == 0
     run = tmp_path / "run"
@@ -272,7 +273,7 @@ def test_a_duplicated_short_document_raises_padding_cliff_eval_divergence_and_ma
     assert pad["step"] == 0 and pad["value"] == pytest.approx((32 - (len(doc) - 1)) / 32)
     # the cliff: one log interval's loss below 70% of the one before, after flat_steps
     s = first["loss_cliff"]
-    assert 8 < s <= 14 and recs[s]["loss"] < 0.7 * recs[s - 2]["loss"]
+    assert 8 < s <= 16 and recs[s]["loss"] < 0.7 * recs[s - 2]["loss"]
     # held-out loss up at each of three evaluations in a row, the training loss down
     evals = {e["step"]: e["loss"] for e in events(run, "eval")}
     s = first["eval_diverge"]
@@ -288,8 +289,7 @@ def test_a_duplicated_short_document_raises_padding_cliff_eval_divergence_and_ma
 def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
     # with the in-graph numerics and MaxLogits on (their own graphs, run at the log
     # steps): their fields reach every step record, and the max_logits rule reads them
-    mon = {**MON, "numerics": True, "max_logits": True}
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor=mon)
+    cfg = base_config(prepared, tmp_path, train_dataset=DATA, training=RUN, monitor=MON)
     assert run_config(cfg) == 0
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
     recs = [r for r in read_metrics(tmp_path) if "event" not in r]
