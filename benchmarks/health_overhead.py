@@ -276,6 +276,9 @@ def main(argv=None) -> int:
             del plain[:]
         what = "compiles every graph, not counted" if r == 0 else "timed"
         print(f"round {r} ({what}): {time.perf_counter() - t:.0f} s; load {load()}", flush=True)
+        if r > 0:  # a run stopped early still leaves its rounds
+            print("  arm - off, ms: " + ", ".join(f"{a} {diffs[a][-1] * 1e3:+.0f}" for a in arms)
+                  + f"; plain step {statistics.median(plain) * 1e3:.0f} ms", flush=True)  # fmt: skip
 
     # the host arms, A/B on the stats of one stats step: the record with and without each
     runner.numerics, runner.stats_step, runner.logit_buffer = stats, *arms["all on"][:2]
