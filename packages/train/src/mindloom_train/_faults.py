@@ -28,9 +28,11 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            MindSpore op raises (the "failed step" exit row)
     MINDLOOM_FAULT="ballast@1:1"           rank 1 holds 64 MiB more (resident) from update 1
                                            on: a per-rank memory field shows whose it is
-    MINDLOOM_FAULT="slow_data@9-16:0.3"    the training batches of updates 9-16 reach the
-                                           loader 0.3 s late each (its producer thread
-                                           sleeps): a slow data source, seen as data wait
+    MINDLOOM_FAULT="slow_data@9-12:0.6"    the training batches of updates 9-12 reach the
+                                           loader 0.6 s after their update has begun (its
+                                           producer thread waits for that, then sleeps):
+                                           a slow data source the prefetch cannot hide,
+                                           seen as data wait whatever the step time
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -111,7 +113,7 @@ class FaultInjector:
         faulted updates arrive late (the loader's producer thread waits, so the trainer's
         data wait is the loader's own measurement)."""
         slow = [f for f in self.faults if f.kind == "slow_data"]
-        return _SlowData(dataset, slow, global_batch_size) if slow else dataset
+        return _SlowData(dataset, slow, global_batch_size, self) if slow else dataset
 
     def at_step_start(self, step: int, stopped=lambda: False) -> None:
         """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,
@@ -161,11 +163,14 @@ class FaultInjector:
 
 
 class _SlowData:
-    """A dataset whose `get_batch` sleeps for the samples of the faulted updates (update
-    k reads the global batch of samples [(k - 1) G, k G) on every data-parallel rank)."""
+    """A dataset whose `get_batch` holds the samples of a faulted update until that update
+    has begun, then sleeps (update k reads the global batch of samples [(k - 1) G, k G)
+    on every data-parallel rank): the loader's prefetch cannot absorb the delay, so the
+    trainer waits about the fault's seconds per faulted update on any machine."""
 
-    def __init__(self, dataset, faults: list[Fault], global_batch_size: int):
+    def __init__(self, dataset, faults: list[Fault], global_batch_size: int, injector):
         self.dataset, self.faults, self.batch = dataset, faults, global_batch_size
+        self.injector = injector
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -177,5 +182,8 @@ class _SlowData:
         step = int(idx[0]) // self.batch + 1
         for f in self.faults:
             if f.first <= step <= f.last:
+                deadline = time.monotonic() + 300
+                while self.injector.step_begun < step and time.monotonic() < deadline:
+                    time.sleep(0.005)
                 time.sleep(float(f.arg or 0.5))
         return self.dataset.get_batch(idx)
