@@ -1,28 +1,44 @@
-"""Training-health monitors on vs off: the trainer's step loop with `monitor.numerics`,
-`monitor.max_logits` and the health rules all on, against all off, at the default log
-interval, in one process.
+"""Training-health monitors, each alone and all together, against all off: the cost per log
+step on the trainer's own runner at the default log interval, in one process.
 
     ./dev bench benchmarks/health_overhead.py [--preset 17m] [--batch 4] [--seq 256]
-        [--pairs 5] [--threads 2] [--log-interval 10]
+        [--rounds 3] [--host-rounds 200] [--threads 2] [--log-interval 10]
 
 One `CompiledRunner` (the one `mindloom train` builds: the plain compiled step on every
-step; at log steps the stats step instead: the same update also returning the per-tensor
-numerics, its loss net also taking the MaxLogits from the step's own forward) over a 17m
-model trains on the same packed batch. Blocks of `--log-interval` steps, each ending with its
-log step (the step record built and written to a metrics.jsonl as the trainer does:
-metrics_record, the per-rank fields, the numerics fields, the health rules), alternate
-"on" and "off" (the runner's statistics and the writer's numerics and health detached:
-what a run with the three switched off executes), in the order on/off, off/on, ... so
-both see the same load; the first pair compiles and is not counted. The overhead is the
-median over pairs of (on block / off block) - 1, and, from the same steps, (median log
-step on - median log step off) / (N x median plain step): on a loaded machine the second
-keeps the noise of the N - 1 identical steps out.
+step; at log steps a stats step instead, the same update also returning what the monitors
+read) over a 17m model trains on the same packed batch. The monitors that live in the
+compiled log step each get a stats step of their own, built on the runner's weights and
+moments like the real one:
 
-Then the breakdown on the same batch, round by round: the plain step and the stats step
-(ms per call; for DeepSeek-V3 also its MaxLogits forward), and the host side of a log
-step with the monitors (reading and reducing the statistics, the health rules) minus
-without.
-The machine is shared: read the load averages it prints with each pair.
+- MaxLogits: the loss net also takes each layer's largest attention logit (the top-logit
+  fraction left out);
+- top-logit fraction: the fraction of tokens whose top output logit passes the bound (the
+  MaxLogits left out);
+- local norms: per-tensor gradient and parameter squared norms;
+- update ratio: per-tensor parameter and update squared norms;
+- AdamW moments: per-tensor mean |m| and mean sqrt(v);
+- all on: the runner's own stats step (`monitor.numerics` and `monitor.max_logits`),
+  with the health rules and the per-rank memory fields in the record.
+
+(`monitor.numerics` switches the three numerics parts on together and `monitor.max_logits`
+both logit parts; the split is this benchmark's, to say what each part costs. The
+numerics variants keep the weight copies TrainStep makes whenever numerics is on, which
+only the update ratio needs.)
+
+Each round runs, for every arm in turn, a block of that arm and a block with everything
+off, in the order A/B, then B/A, ... so machine load falls on both alike. A block is a log
+step (its stats step, the step record built and written to a metrics.jsonl as the trainer
+does) followed by one plain step (whatever switching graphs costs the next step is in
+it); the off block runs the plain step there and writes a record without the monitors.
+The other log-interval - 1 steps of an interval are the same plain step either way, so
+the overhead at interval N is (arm block - off block) / (N x plain step), each a median
+over rounds; the first round compiles and is not counted.
+
+The per-rank memory fields and the health rules run on the host only: their cost is
+measured by building and writing the log step's record with and without each, A/B,
+`--host-rounds` times, on the stats of one stats step.
+
+The machine is shared: read the load averages printed with each round.
 """
 
 from __future__ import annotations
@@ -43,14 +59,17 @@ sys.path[:] = [
 
 import numpy as np  # noqa: E402
 
+GRAPH_ARMS = ("MaxLogits", "top-logit fraction", "local norms", "update ratio",
+              "AdamW moments", "all on")  # fmt: skip
+
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="17m")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--pairs", type=int, default=5, help="timed on/off block pairs")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of the per-graph breakdown")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of A/B block pairs")
+    p.add_argument("--host-rounds", type=int, default=200, help="A/B rounds of the host arms")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-interval", type=int, default=None,
                    help="default: the config's (monitor.log_interval)")  # fmt: skip
@@ -76,6 +95,62 @@ def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def variant_cells():
+    """The part-monitor cells: stats steps computing one numerics part, loss nets taking
+    one of the two logit statistics. Unused columns are zeros (constants), so the host side
+    reads the same five columns for every arm."""
+    import mindspore as ms
+    from mindloom_train._numerics import _logit_stats_cells
+    from mindloom_train._step import TrainStep
+    from mindspore import ops
+
+    def zero():
+        return ops.zeros((), ms.float32)
+
+    class LocalNorms(TrainStep):
+        def _numerics(self, loss, sq, inv, before):
+            rows = ()
+            for i in range(len(before)):
+                w = before[i].reshape(1, -1)
+                rows = rows + (ops.stack((sq[i] * inv * inv, ops.matmul(w, w.T).reshape(()),
+                                          zero(), zero(), zero())),)  # fmt: skip
+            return ops.stack(rows)
+
+    class UpdateRatio(TrainStep):
+        def _numerics(self, loss, sq, inv, before):
+            rows = ()
+            for i in range(len(before)):
+                after = ops.depend(self.weights[i], loss)  # read after the update
+                w = before[i].reshape(1, -1)
+                d = (after - before[i]).reshape(1, -1)
+                rows = rows + (ops.stack((zero(), ops.matmul(w, w.T).reshape(()),
+                                          ops.matmul(d, d.T).reshape(()), zero(), zero())),)  # fmt: skip
+            return ops.stack(rows)
+
+    class AdamMoments(TrainStep):
+        def _numerics(self, loss, sq, inv, before):
+            rows = ()
+            for i in range(len(before)):
+                m = ops.abs(ops.depend(self.exp_avg[i], loss))
+                v = ops.sqrt(ops.depend(self.exp_avg_sq[i], loss))
+                rows = rows + (ops.stack((zero(), zero(), zero(), m.mean(), v.mean())),)
+            return ops.stack(rows)
+
+    base = _logit_stats_cells()[0]  # LossWithLogitStats
+
+    class MaxLogitsOnly(base):
+        def _frac_of(self, logits, loss_mask):
+            return zero()
+
+    class FractionOnly(base):
+        def _max_logit(self, attn, h, cos, sin, mask):
+            return zero()
+
+    return {"local norms": LocalNorms, "update ratio": UpdateRatio,
+            "AdamW moments": AdamMoments, "MaxLogits": MaxLogitsOnly,
+            "top-logit fraction": FractionOnly}  # fmt: skip
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -85,7 +160,7 @@ def main(argv=None) -> int:
     from mindloom_train._build import build_model
     from mindloom_train._health import HealthMonitor
     from mindloom_train._metrics import MetricsWriter
-    from mindloom_train._runner import CompiledRunner, StepInputs, tensors
+    from mindloom_train._runner import CompiledRunner, StepInputs
     from mindloom_train._runtime import Runtime
     from mindloom_train._step import hyper_vector
     from mindloom_train._throughput import FlopsBudget, ThroughputWindow, metrics_record
@@ -99,7 +174,9 @@ def main(argv=None) -> int:
         "train_dataset": {"data_prefix": [str(run_dir / "unused")], "seq_length": args.seq},
         "training": {"train_iters": 10**6, "global_batch_size": args.batch,
                      "micro_batch_size": args.batch},
-        "context": {"num_threads": args.threads}, "monitor": monitor, "run_dir": str(run_dir),
+        # the part-monitor cells share the stats step's role name: no stored graphs
+        "context": {"num_threads": args.threads, "compile_cache": "off"},
+        "monitor": monitor, "run_dir": str(run_dir),
     })  # fmt: skip
     n = cfg.monitor.log_interval
     print(f"load average (1/5/15 min) at start: {load()} on {os.cpu_count()} CPUs; "
@@ -111,12 +188,29 @@ def main(argv=None) -> int:
     built.model.set_train(True)
     runner = CompiledRunner(built, cfg, rt, lambda m: print(m, flush=True))
     stats = runner.numerics
+    stats.log_interval = 1  # the blocks decide which step is a log step
+    plain_step = runner.train_step
+    cells = variant_cells()
+    # arm -> (stats step, MaxLogits buffer or None, numerics rows read, host fields on)
+    arms = {"all on": (runner.stats_step, runner.logit_buffer, True, True)}
+    weights, flags = plain_step.weights, plain_step.flags
+    for name in ("local norms", "update ratio", "AdamW moments"):
+        step = cells[name](built.loss_net, weights, flags, runner.accum, numerics=True,
+                           share=plain_step)  # fmt: skip
+        arms[name] = (step, None, True, False)
+    for name in ("MaxLogits", "top-logit fraction"):
+        net = cells[name](built.loss_net, cfg.monitor.output_logit_bound)
+        step = type(plain_step)(net, weights, flags, runner.accum, share=plain_step)
+        arms[name] = (step, net.stats, False, False)
+
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     health = HealthMonitor(cfg.monitor.health)
     batch = packed_batch(built.mcfg.vocab_size, args.batch, args.seq)
     state = SimpleNamespace(loss_smoothed=None, consumed=0, skipped_total=0)
     flops = FlopsBudget(built.mcfg.flops_per_token(args.seq), 0.0)
     step_no = [0]
+    no_comm = {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
+               "comm_share_ranks": [0.0]}  # fmt: skip
 
     def batches():
         while True:
@@ -129,118 +223,100 @@ def main(argv=None) -> int:
 
         return runner.step(StepInputs(step, batches(), hyper, lambda: (False, False)))
 
-    def block(on: bool) -> float:
-        """`n` steps, the last a log step with its record, as the trainer's loop runs them."""
-        runner.numerics = stats if on else None
-        writer.numerics = stats if on else None
-        writer.health = health if on else None
+    def record(res, window, *, numerics: bool, memory: bool, rules: bool) -> None:
+        writer.numerics = stats if numerics else None
+        writer.health = health if rules else None
+        rec = metrics_record(window, step=step_no[0], loss=res.loss, lr=1e-4, gnorm=res.gnorm,
+                             state=state, seq_length=args.seq, data_wait_s=0.0, flops=flops)  # fmt: skip
+        rec.update(runner.comm_fields(window, True) if memory else no_comm)
+        writer.write(rec)
+
+    def block(arm: str | None) -> tuple[float, float]:
+        """A log step under `arm` (None: all off) with its record, then one plain step:
+        (block seconds, the plain step's seconds)."""
+        if arm is None:
+            runner.numerics = None
+        else:
+            step, buf, rows, host = arms[arm]
+            runner.numerics, runner.stats_step, runner.logit_buffer = stats, step, buf
+            cfg.monitor.numerics = rows
         window = ThroughputWindow(data_wait0=0.0)
         t0 = time.perf_counter()
-        for i in range(n):
-            step_no[0] += 1
-            step = step_no[0]
-            t = time.perf_counter()
-            res = one_step(step)
-            step_s = time.perf_counter() - t
-            window.add(args.batch * args.seq, step_s, res.comm_s, res.rank_step_s)
-            if res.ok:
-                window.add_loss(res.loss)
-            state.consumed += args.batch
-            if i < n - 1:
-                plain_steps.append(step_s)  # the same plain step either way
-        rec = metrics_record(window, step=step, loss=res.loss, lr=1e-4, gnorm=res.gnorm,
-                             state=state, seq_length=args.seq, data_wait_s=0.0, flops=flops)  # fmt: skip
-        rec.update(runner.extra_fields())
-        rec.update(runner.comm_fields(window, True))
-        writer.write(rec)
-        (log_on if on else log_off).append(time.perf_counter() - t)  # the log step + record
-        return time.perf_counter() - t0
+        step_no[0] += 1
+        res = one_step(step_no[0])
+        window.add(args.batch * args.seq, time.perf_counter() - t0, res.comm_s, res.rank_step_s)
+        on = arm is not None
+        host = on and arms[arm][3]
+        record(res, window, numerics=on, memory=host, rules=host)
+        runner.numerics = None  # the next step is a plain one whatever the schedule says
+        t1 = time.perf_counter()
+        step_no[0] += 1
+        one_step(step_no[0])
+        t2 = time.perf_counter()
+        state.consumed += 2 * args.batch
+        return t2 - t0, t2 - t1
 
-    plain_steps: list[float] = []
-    log_on: list[float] = []
-    log_off: list[float] = []
-    t = time.perf_counter()
-    block(True)
-    block(False)
-    del plain_steps[:], log_on[:], log_off[:]
-    print(f"first pair (compiles the plain and the stats step): "
-          f"{time.perf_counter() - t:.0f} s; load {load()}", flush=True)  # fmt: skip
-    on_s, off_s, ratios = [], [], []
-    for i in range(args.pairs):
-        order = (True, False) if i % 2 == 0 else (False, True)
-        got = {on: block(on) for on in order}
-        on_s.append(got[True])
-        off_s.append(got[False])
-        ratios.append(got[True] / got[False] - 1)
-        print(f"pair {i + 1}: on {got[True]:.2f} s, off {got[False]:.2f} s "
-              f"({ratios[-1]:+.1%}); load {load()}", flush=True)  # fmt: skip
+    diffs: dict[str, list[float]] = {a: [] for a in arms}
+    on_s: dict[str, list[float]] = {a: [] for a in arms}
+    off_s: dict[str, list[float]] = {a: [] for a in arms}
+    plain: list[float] = []
+    for r in range(args.rounds + 1):
+        t = time.perf_counter()
+        for i, arm in enumerate(arms):
+            order = (arm, None) if (r + i) % 2 == 0 else (None, arm)
+            got = {}
+            for a in order:
+                got[a], p = block(a)
+                plain.append(p)
+            if r > 0:  # round 0 compiles every graph
+                diffs[arm].append(got[arm] - got[None])
+                on_s[arm].append(got[arm])
+                off_s[arm].append(got[None])
+        if r == 0:
+            del plain[:]
+        what = "compiles every graph, not counted" if r == 0 else "timed"
+        print(f"round {r} ({what}): {time.perf_counter() - t:.0f} s; load {load()}", flush=True)
+        if r > 0:  # a run stopped early still leaves its rounds
+            print("  arm - off, ms: " + ", ".join(f"{a} {diffs[a][-1] * 1e3:+.0f}" for a in arms)
+                  + f"; plain step {statistics.median(plain) * 1e3:.0f} ms", flush=True)  # fmt: skip
 
-    # the breakdown: each graph on the same batch, round by round
-    t5 = tensors(batch)
-    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
-                         adam_step=step_no[0] + 1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
-    # the arguments exactly as the runner passes them (no dropout key: None), so every
-    # call reuses the graph the blocks compiled
-    graphs = {"plain step": lambda: runner.train_step(*t5, hyper, None)}
-    if runner.stats_step is not None:  # numerics, and for Llama MaxLogits, in the step
-        graphs["stats step"] = lambda: runner.stats_step(*t5, hyper, None)
-    if runner.logit_stats is not None:  # DeepSeek-V3: MaxLogits in a forward of its own
-        graphs["MaxLogits forward"] = lambda: runner.logit_stats(t5[0], t5[2], t5[3], t5[4],
-                                                                 None)  # fmt: skip
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    last = {}
-    for _ in range(args.rounds):
-        for kind, call in graphs.items():
-            t = time.perf_counter()
-            last[kind] = call()
-            last[kind][0].asnumpy()
-            times[kind].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    host_on, host_off = [], []
-    for _ in range(args.rounds):
-        for on in (True, False):
-            stats.rows = last["stats step"][-1] if "stats step" in last else None
-            stats.logits = last.get("MaxLogits forward", runner.logit_buffer)
-            writer.numerics = stats if on else None
-            writer.health = health if on else None
-            window = ThroughputWindow(data_wait0=0.0)
-            window.add(args.batch * args.seq, 1.0, 0.0, 0.0)
-            t = time.perf_counter()
-            rec = metrics_record(window, step=step_no[0], loss=3.0, lr=1e-4, gnorm=1.0,
-                                 state=state, seq_length=args.seq, data_wait_s=0.0, flops=flops)  # fmt: skip
-            rec.update(runner.comm_fields(window, True))
-            writer.write(rec)
-            (host_on if on else host_off).append(time.perf_counter() - t)
-    host = statistics.median(host_on) - statistics.median(host_off)
+    # the host arms, A/B on the stats of one stats step: the record with and without each
+    runner.numerics, runner.stats_step, runner.logit_buffer = stats, *arms["all on"][:2]
+    cfg.monitor.numerics = True
+    step_no[0] += 1
+    res = one_step(step_no[0])
+    host = {"per-rank memory": dict(memory=True), "health rules": dict(rules=True),
+            "numerics and MaxLogits fields": dict(numerics=True)}  # fmt: skip
+    host_t: dict[str, list[float]] = {k: [] for k in host}
+    for i in range(args.host_rounds):
+        for name, on in host.items():
+            both = {}
+            for arm_on in (True, False) if i % 2 == 0 else (False, True):
+                kw = {"numerics": False, "memory": False, "rules": False}
+                if arm_on:
+                    kw.update(on)
+                window = ThroughputWindow(data_wait0=0.0)
+                window.add(args.batch * args.seq, 1.0, 0.0, 0.0)
+                t = time.perf_counter()
+                record(res, window, **kw)
+                both[arm_on] = time.perf_counter() - t
+            host_t[name].append(both[True] - both[False])
     writer.close()
 
-    overhead = statistics.median(ratios)
-    print(f"\nblocks of {n} steps (the last a log step), medians of {args.pairs} pairs: "
-          f"on {statistics.median(on_s):.2f} s, off {statistics.median(off_s):.2f} s")  # fmt: skip
-    print(f"per-pair overhead: {', '.join(f'{r:+.1%}' for r in ratios)}")
-    print(f"overhead, all monitors on vs off at log interval {n}: {overhead:+.1%} "
-          f"(median of the per-pair ratios)")  # fmt: skip
-    # the same quantity from the steps themselves: only the log step differs between the
-    # blocks, so (log step on - log step off) / (n x plain step), each a median, keeps
-    # the other n - 1 steps' load noise out
-    plain = statistics.median(plain_steps)
-    per_step = (statistics.median(log_on) - statistics.median(log_off)) / (n * plain)
-    print(f"log step with its record: on {statistics.median(log_on):.2f} s, off "
-          f"{statistics.median(log_off):.2f} s; plain step {plain:.2f} s (median of "
-          f"{len(plain_steps)}): overhead {per_step:+.1%} at log interval {n}")  # fmt: skip
-    print(f"\nbreakdown, medians of {args.rounds} rounds on the same batch:")
-    print(f"{'graph':20} {'ms/call':>9}  {'x plain':>7}")
-    for kind in graphs:
-        print(f"{kind:20} {med[kind] * 1e3:9.1f}  {med[kind] / med['plain step']:7.2f}")
-    print(f"host side of a log step: {statistics.median(host_on) * 1e3:.2f} ms with the monitors, "
-          f"{statistics.median(host_off) * 1e3:.2f} ms without ({host * 1e3:+.2f} ms)")  # fmt: skip
-    extra = sum(med[k] for k in graphs if k != "plain step") - (
-        med["plain step"] if "stats step" in med else 0.0
-    )
-    model = extra / (n * med["plain step"])
-    print(f"expected from the breakdown: (stats step - plain [+ MaxLogits forward] + host) / "
-          f"({n} x plain) = {(extra + host) / (n * med['plain step']):+.1%} "
-          f"(graphs alone {model:+.1%})")  # fmt: skip
+    p = statistics.median(plain)
+    print(f"\nplain step: {p * 1e3:.0f} ms (median of {len(plain)}); log interval {n}; "
+          f"{args.rounds} timed rounds")  # fmt: skip
+    print(f"{'monitor (alone)':30} {'block on':>9} {'block off':>9} {'on - off':>9} "
+          f"{'overhead':>9}   per round")  # fmt: skip
+    for arm in arms:
+        d = statistics.median(diffs[arm])
+        per = ", ".join(f"{x / (n * p):+.1%}" for x in diffs[arm])
+        print(f"{arm:30} {statistics.median(on_s[arm]):8.2f}s {statistics.median(off_s[arm]):8.2f}s "
+              f"{d * 1e3:+8.0f}ms {d / (n * p):+9.1%}   {per}")  # fmt: skip
+    print(f"\nhost only, the log step's record with minus without, median of {args.host_rounds}:")
+    for name, vals in host_t.items():
+        d = statistics.median(vals)
+        print(f"{name:30} {d * 1e3:+8.3f} ms  {d / (n * p):+9.3%} at interval {n}")
     print(f"load average at end: {load()}")
     return 0
 

@@ -1,6 +1,8 @@
 """Training-health rules (issue 18): each rule fires on a metrics stream built to trigger it
-and stays silent on a healthy one; two real runs (a learning rate of 1e-7 and the debug
-preset's own) check the trainer's wiring end to end.
+and stays silent on a healthy one; three real runs check them end to end: a learning rate
+of 1e-7 with injected faults (flat_loss, grad_norm_high, data_wait), a duplicated short
+document (padding, loss_cliff, eval_diverge, max_logits) and the debug preset's own run
+(silent).
 
 The crafted streams are the labelled reference: each is shaped like the trainer's records
 (docs/contracts.md) with one planted fault at a known step."""
@@ -14,7 +16,13 @@ import pytest
 from mindloom_train._config import ConfigError, from_dict
 from mindloom_train._health import RULES, HealthConfig, HealthMonitor
 from mindloom_train._metrics import MetricsWriter
-from train_testutil import base_config, events, read_metrics, run_config
+from train_testutil import (
+    base_config,
+    events,
+    read_metrics,
+    run_config,
+    step_records,
+)
 
 
 def healthy(step: int, **over) -> dict:
@@ -180,28 +188,109 @@ def test_bad_health_settings_are_one_line_naming_the_key(health, msg):
         from_dict({"monitor": {"health": health}})
 
 
-# --- two real runs: the trainer writes and logs what the rules say -----------------------
+# --- three real runs: each rule the trainer can trip on one CPU process fires on a run built
+# to trip it, and the debug preset's own run trips none. comm_high needs two ranks (one
+# process has no communication: comm_share is 0 by construction); it is checked on
+# crafted streams above only. The three runs differ only in settings that reach no compiled
+# graph (data paths, schedule, step counts, faults), so the compile cache builds the debug
+# preset's train, stats and eval graphs once for all three.
 
 RUN = {"train_iters": 24, "eval_interval": 0}
-MON = {"log_interval": 2, "progress_bar": False, "peak_tflops": 0.1, "health": {"flat_steps": 20}}
+MON = {"log_interval": 2, "progress_bar": False, "peak_tflops": 0.1, "numerics": True,
+       "max_logits": True, "health": {"flat_steps": 8, "grad_window": 6}}  # fmt: skip
+DATA = {"pack_mode": "best_fit"}
 
 
-def test_a_learning_rate_of_1e7_is_flagged_as_flat_loss(prepared, tmp_path):
+def health_events(run_dir) -> list[tuple[str, int]]:
+    return [(e["rule"], e["step"]) for e in events(run_dir, "health")]
+
+
+def test_a_learning_rate_of_1e7_and_injected_faults_raise_flat_loss_grad_norm_and_data_wait(
+    prepared, tmp_path
+):
+    """One run, three rules: a learning rate of 1e-7 learns nothing (flat_loss); the
+    gradients of updates 14-18 scaled by 1e6 (fault grad_spike: three log records in a row
+    far above the median of the six before; clipping keeps the update sane); the training
+    batches of updates 9-12 arriving 0.6 s after their update began (fault slow_data: the
+    loader's prefetch cannot hide it) (fault slow_data: the loader's producer
+    sleeps, the trainer's wait is the loader's own measurement)."""
     sched = {"lr": 1e-7, "min_lr": 1e-8, "warmup_iters": 2}
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor=MON, lr_scheduler=sched)
-    assert run_config(cfg) == 0
-    evs = events(tmp_path, "health")
-    assert [(e["rule"], e["step"]) for e in evs] == [("flat_loss", 20)]
-    assert "health: step 20 flat_loss: loss" in (tmp_path / "train.log").read_text()
+    cfg = base_config(prepared, tmp_path, train_dataset=DATA, training=RUN, monitor=MON,
+                      lr_scheduler=sched)  # fmt: skip
+    assert run_config(cfg, fault="grad_spike@14-18,slow_data@9-12:0.6") == 0
+    got = health_events(tmp_path)
+    assert sorted(rule for rule, _ in got) == ["data_wait", "flat_loss", "grad_norm_high"], got
+    steps = dict(got)
+    recs = step_records(tmp_path)
+    # the reference: the step records themselves
+    assert steps["flat_loss"] == 8 and recs[8]["loss"] > 0.98 * recs[2]["loss"]
+    assert steps["grad_norm_high"] == 18
+    normal = [recs[s]["grad_norm"] for s in range(2, 13, 2)]
+    assert all(recs[s]["grad_norm"] > 1e3 * max(normal) for s in (14, 16, 18))
+    # the records of updates 9-10 and 11-12 wait, the second one fires
+    assert steps["data_wait"] == 12
+    waits = [s for s, r in recs.items() if r["data_wait_frac"] > 0.1]
+    assert steps["data_wait"] in waits and steps["data_wait"] - 2 in waits
+    assert not any(recs[s]["data_wait_frac"] > 0.1 for s in recs if s > 16)
+    log = (tmp_path / "train.log").read_text()
+    for rule, step in got:
+        assert f"health: step {step} {rule}: " in log
     start = events(tmp_path, "start")[0]
-    assert start["health"]["flat_steps"] == 20
+    assert start["health"]["flat_steps"] == 8
+
+
+def test_a_duplicated_short_document_raises_padding_cliff_eval_divergence_and_max_logits(
+    prepared, tmp_path
+):
+    """One run, four rules: the training corpus is one 20-token document copied 400 times
+    (a corpus nobody deduplicated), packed best_fit (one document per 33-token bin: 13 of
+    the 32 input positions are padding), trained at a learning rate of 2e-2 against the
+    held-out split. The model memorises it: the training loss falls off a cliff, the
+    held-out loss rises at every evaluation, and the attention logits grow."""
+    import numpy as np
+    from mindloom_data import IndexedDataset, IndexedDatasetBuilder
+
+    doc = np.asarray(IndexedDataset(prepared["train"])[0][:20], np.int32)
+    builder = IndexedDatasetBuilder(tmp_path / "dup")
+    for _ in range(400):
+        builder.add_document(doc)
+    builder.finalize()
+    cfg = base_config(
+        prepared, tmp_path / "run", monitor=MON,
+        train_dataset={**DATA, "data_prefix": [str(tmp_path / "dup")]},
+        training={"train_iters": 24, "eval_interval": 4},
+        lr_scheduler={"lr": 2e-2, "min_lr": 2e-2, "warmup_iters": 2},
+    )  # fmt: skip
+    assert run_config(cfg) == 0
+    run = tmp_path / "run"
+    got = health_events(run)
+    first: dict[str, int] = {}
+    for rule, step in got:
+        first.setdefault(rule, step)
+    assert set(first) == {"padding", "loss_cliff", "eval_diverge", "max_logits"}, got
+    recs = step_records(run)
+    # padding at pack time (step 0), the share computed from the document's length
+    (pad,) = [e for e in events(run, "health") if e["rule"] == "padding"]
+    assert pad["step"] == 0 and pad["value"] == pytest.approx((32 - (len(doc) - 1)) / 32)
+    # the cliff: one log interval's loss below 70% of the one before, after flat_steps
+    s = first["loss_cliff"]
+    assert 8 < s <= 16 and recs[s]["loss"] < 0.7 * recs[s - 2]["loss"]
+    # held-out loss up at each of three evaluations in a row, the training loss down
+    evals = {e["step"]: e["loss"] for e in events(run, "eval")}
+    s = first["eval_diverge"]
+    assert s <= 16 and evals[s - 8] < evals[s - 4] < evals[s]
+    assert recs[s]["loss_smoothed"] < recs[s - 8]["loss_smoothed"]
+    # the attention logits: rising for five log records in a row, doubled, above 5
+    s = first["max_logits"]
+    top = [max(recs[k]["max_logits"]) for k in range(s - 10, s + 1, 2)]
+    assert all(b > a for a, b in zip(top, top[1:])) and top[-1] >= 2 * top[0]
+    assert top[-1] > 5.0 and top[-1] < 100
 
 
 def test_the_debug_preset_run_raises_no_health_event(prepared, tmp_path):
     # with the in-graph numerics and MaxLogits on (their own graphs, run at the log
     # steps): their fields reach every step record, and the max_logits rule reads them
-    mon = {**MON, "numerics": True, "max_logits": True}
-    cfg = base_config(prepared, tmp_path, training=RUN, monitor=mon)
+    cfg = base_config(prepared, tmp_path, train_dataset=DATA, training=RUN, monitor=MON)
     assert run_config(cfg) == 0
     assert [r for r in read_metrics(tmp_path) if r.get("event") == "health"] == []
     recs = [r for r in read_metrics(tmp_path) if "event" not in r]

@@ -28,6 +28,11 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            MindSpore op raises (the "failed step" exit row)
     MINDLOOM_FAULT="ballast@1:1"           rank 1 holds 64 MiB more (resident) from update 1
                                            on: a per-rank memory field shows whose it is
+    MINDLOOM_FAULT="slow_data@9-12:0.6"    the training batches of updates 9-12 reach the
+                                           loader 0.6 s after their update has begun (its
+                                           producer thread waits for that, then sleeps):
+                                           a slow data source the prefetch cannot hide,
+                                           seen as data wait whatever the step time
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -50,6 +55,7 @@ _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill
 BALLAST_MB = 64
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save"}
+_DATA_KINDS = {"slow_data"}
 
 
 class FaultSpecError(ValueError):
@@ -71,7 +77,7 @@ def parse(spec: str | None) -> list[Fault]:
         if not item:
             continue
         kind, _, rest = item.partition("@")
-        if kind not in _STEP_KINDS | _SAVE_KINDS or not rest:
+        if kind not in _STEP_KINDS | _SAVE_KINDS | _DATA_KINDS or not rest:
             raise FaultSpecError(f"{ENV}: cannot parse {item!r}")
         steps, _, arg = rest.partition(":")
         try:
@@ -101,6 +107,13 @@ class FaultInjector:
             if f.arg is None or int(f.arg) == self.rank:
                 return True
         return False
+
+    def slow_data(self, dataset, global_batch_size: int):
+        """`dataset` itself, or under a slow_data fault a view of it whose batches for the
+        faulted updates arrive late (the loader's producer thread waits, so the trainer's
+        data wait is the loader's own measurement)."""
+        slow = [f for f in self.faults if f.kind == "slow_data"]
+        return _SlowData(dataset, slow, global_batch_size, self) if slow else dataset
 
     def at_step_start(self, step: int, stopped=lambda: False) -> None:
         """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,
@@ -147,3 +160,30 @@ class FaultInjector:
         for f in self._hits("fail_save", step):
             if f.arg == str(files_written):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+
+class _SlowData:
+    """A dataset whose `get_batch` holds the samples of a faulted update until that update
+    has begun, then sleeps (update k reads the global batch of samples [(k - 1) G, k G)
+    on every data-parallel rank): the loader's prefetch cannot absorb the delay, so the
+    trainer waits about the fault's seconds per faulted update on any machine."""
+
+    def __init__(self, dataset, faults: list[Fault], global_batch_size: int, injector):
+        self.dataset, self.faults, self.batch = dataset, faults, global_batch_size
+        self.injector = injector
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str):
+        return getattr(self.dataset, name)
+
+    def get_batch(self, idx):
+        step = int(idx[0]) // self.batch + 1
+        for f in self.faults:
+            if f.first <= step <= f.last:
+                deadline = time.monotonic() + 300
+                while self.injector.step_begun < step and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                time.sleep(float(f.arg or 0.5))
+        return self.dataset.get_batch(idx)

@@ -203,6 +203,7 @@ class Trainer:
         self.rt.install_signals()
         self.clock = PhaseClock(cfg, self.rt.rank, self.rt.world, self._report_hang)
         self.profiler = Profiler(cfg, str(self.run_dir / "profile"), self.log, self.rt.rank)
+        train_data = self.fault.slow_data(train_data, t.global_batch_size)  # test-only
         loader = self._make_loader(train_data, self.state.consumed,
                                    t.train_iters * t.global_batch_size)  # fmt: skip
         try:
