@@ -185,6 +185,28 @@ def _rename(model) -> None:
         p.name = name
 
 
+class VocabParallelNLL(nn.Cell):
+    """Per-token -log p(label) from local-vocab logits [N, V/tp] shifted by a per-row
+    constant that is the same on every TP rank; `sum_exp` and `target` sum over the tp
+    group (the engine's region cells or the compiled graph's). A label outside this rank's
+    slice contributes 0 to the target sum here and its value on the owning rank."""
+
+    def __init__(self, vocab_start: int, sum_exp: nn.Cell, target: nn.Cell):
+        super().__init__()
+        self.vocab_start = vocab_start
+        self.sum_exp = sum_exp
+        self.target = target
+
+    def construct(self, shifted, labels):
+        v = shifted.shape[-1]
+        sum_exp = self.sum_exp(ops.exp(shifted).sum(-1))
+        local = labels.reshape(-1).astype(ms.int32) - self.vocab_start
+        inside = ops.logical_and(local >= 0, local < v).astype(ms.float32)
+        local = ops.clip_by_value(local, 0, v - 1)
+        tgt = ops.gather_elements(shifted, 1, local.reshape(-1, 1)).reshape(-1) * inside
+        return ops.log(sum_exp) - self.target(tgt)
+
+
 class VocabParallelLossSum(nn.Cell):
     """sum(nll * loss_mask) over local-vocab logits [B, S, V/tp] (fp32); the same on every
     TP rank. With tp == 1 it is the ordinary cross-entropy sum.
@@ -193,22 +215,14 @@ class VocabParallelLossSum(nn.Cell):
     def __init__(self, group: Group, vocab_start: int):
         super().__init__()
         self.group = group
-        self.vocab_start = vocab_start
-        self.sum_exp = ReduceFromTP(group)
-        self.target = ReduceFromTP(group)
+        self.nll = VocabParallelNLL(vocab_start, ReduceFromTP(group), ReduceFromTP(group))
 
     def construct(self, logits, labels, loss_mask):
         v = logits.shape[-1]
         flat = logits.reshape(-1, v).astype(ms.float32)
         # any per-row constant stabilizes the exp; the global max is the usual choice
         row_max = ops.stop_gradient(all_reduce_max(ops.amax(flat, -1, keepdims=True), self.group))
-        shifted = flat - row_max
-        sum_exp = self.sum_exp(ops.exp(shifted).sum(-1))
-        local = labels.reshape(-1).astype(ms.int32) - self.vocab_start
-        inside = ops.logical_and(local >= 0, local < v).astype(ms.float32)
-        local = ops.clip_by_value(local, 0, v - 1)
-        tgt = ops.gather_elements(shifted, 1, local.reshape(-1, 1)).reshape(-1) * inside
-        nll = ops.log(sum_exp) - self.target(tgt)
+        nll = self.nll(flat - row_max, labels)
         return (nll * loss_mask.reshape(-1).astype(ms.float32)).sum()
 
 

@@ -30,6 +30,7 @@ from mindspore import nn, ops
 
 from mindloom_parallel._comm import native_collectives
 from mindloom_parallel._groups import Group
+from mindloom_parallel._tp import VocabParallelNLL
 
 __all__ = [
     "CopyToTPGraph",
@@ -186,23 +187,15 @@ class VocabParallelLossMean(nn.Cell):
 
     def __init__(self, group: Group, vocab_start: int, world_allgather: bool = True):
         super().__init__()
-        self.vocab_start = vocab_start
         self.row_max = _GroupMax(group, world_allgather)
-        self.sum_exp = ReduceFromTPGraph(group)
-        self.target = ReduceFromTPGraph(group)
+        self.nll = VocabParallelNLL(vocab_start, ReduceFromTPGraph(group), ReduceFromTPGraph(group))
 
     def construct(self, logits, labels, loss_mask):
         v = logits.shape[-1]
         flat = logits.reshape(-1, v).astype(ms.float32)
         # any per-row constant that is the same on every rank stabilizes the exp
         row_max = ops.stop_gradient(self.row_max(ops.amax(flat, -1).reshape(1, -1)))
-        shifted = flat - row_max.reshape(-1, 1)
-        sum_exp = self.sum_exp(ops.exp(shifted).sum(-1))
-        local = labels.reshape(-1).astype(ms.int32) - self.vocab_start
-        inside = ops.logical_and(local >= 0, local < v).astype(ms.float32)
-        local = ops.clip_by_value(local, 0, v - 1)
-        tgt = ops.gather_elements(shifted, 1, local.reshape(-1, 1)).reshape(-1) * inside
-        nll = ops.log(sum_exp) - self.target(tgt)
+        nll = self.nll(flat - row_max.reshape(-1, 1), labels)
         m = loss_mask.reshape(-1).astype(ms.float32)
         return (nll * m).sum() / ops.maximum(m.sum(), ops.ones((), ms.float32))
 
