@@ -1,6 +1,5 @@
-"""A Llama-family decoder in MindSpore (in the spirit of nanoGPT's model.py; the small layers
-it shares with the DeepSeek family -- Linear, RMSNorm, RoPE, masked attention -- are in
-`_layers.py`).
+"""A Llama-family decoder in MindSpore, in the spirit of nanoGPT's model.py (the layers it
+shares with DeepSeek-V3 -- Linear, RMSNorm, RoPE, attention -- are in `_layers.py`).
 
 Shapes in comments: B batch, S sequence, D model width (hidden), H query heads,
 KV key/value heads, Dh head width, F feed-forward width, V vocabulary.
