@@ -18,14 +18,13 @@ from textual.widgets import Footer, Log, RichLog, Static
 from mindloom_monitor._panes import PaneDrawing
 from mindloom_monitor._source import METRICS, RunSource, apply_batch
 from mindloom_monitor._stats import RunData, Settings, fmt_count, fmt_duration
-from mindloom_monitor._widgets import (  # noqa: F401 (heat_text, PLOT_LIMIT: older import paths)
+from mindloom_monitor._widgets import (
     HEALTH_PANE,
     LOG_KEEP,
     MOE_PANE,
     PANE_KEYS,
     PANE_LABELS,
     PANES,
-    PLOT_LIMIT,
     RANGES,
     ConfigScreen,
     HeaderBar,
@@ -33,8 +32,6 @@ from mindloom_monitor._widgets import (  # noqa: F401 (heat_text, PLOT_LIMIT: ol
     RunBatch,
     Watcher,
     WatcherError,
-    fmt_imbalance,
-    heat_text,
 )
 
 

@@ -27,89 +27,98 @@ class RunEvents:
     """`RunData`'s event handling and detectors; reads and writes its state."""
 
     def _add_event(self, ev: Event) -> None:
-        d = ev.data
-        if ev.kind == "start":
-            total = d.get("total_steps")
-            if isinstance(total, int) and not isinstance(total, bool) and total > 0:
-                self.total_steps = total
-            name = d.get("run_name")
-            if isinstance(name, str) and name:
-                self.name = name
-            self.trainer_health = isinstance(d.get("health"), dict)
-            if ev.time is not None and (self.start_time is None or self.end is not None):
-                self.start_time = ev.time
-            self.end = None
-            text = self.name + (f" ({self.total_steps} steps)" if self.total_steps else "")
-            resumed = d.get("resumed_from")
-            if resumed is not None and not isinstance(resumed, dict | list):
-                text += f", resumed from {resumed}"
-            self._event("start", ev.step, ev.time, text, dedupe=False)
-        elif ev.kind == "eval":
-            loss = d.get("loss")
-            ppl = d.get("ppl")
-            loss = (
-                float(loss)
-                if isinstance(loss, int | float) and not isinstance(loss, bool)
-                else math.nan
-            )
-            if isinstance(ppl, int | float) and not isinstance(ppl, bool):
-                ppl = float(ppl)
-            else:
-                ppl = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.nan
-            if ev.step is not None:
-                self.evals.append((ev.step, loss, ppl))
-            self._event("eval", ev.step, ev.time, f"loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")
-        elif ev.kind == "checkpoint":
-            path = d.get("path")
-            path = path if isinstance(path, str) else ""
-            if d.get("status") == "failed":
-                reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-                self._event("checkpoint", ev.step, ev.time, f"FAILED {reason}".rstrip(), "error")
-            else:
-                self.last_checkpoint = (ev.step, path)
-                self._event("checkpoint", ev.step, ev.time, f"saved {path}".rstrip())
-        elif ev.kind == "anomaly":
-            kind = d.get("kind") if isinstance(d.get("kind"), str) else "anomaly"
-            action = d.get("action") if isinstance(d.get("action"), str) else "reported"
-            value = d.get("value")
-            value = (
-                fmt_num(float(value))
-                if isinstance(value, int | float) and not isinstance(value, bool)
-                else "NaN"
-            )
-            derived = {
-                "nonfinite_loss": "nan",
-                "nonfinite_grad": "nan_grad",
-                "grad_spike": "grad_spike",
-                "loss_spike": "loss_spike",
-            }.get(kind, kind)
-            level = "error" if action == "stopped" or kind.startswith("nonfinite") else "warn"
-            self._event(derived, ev.step, ev.time, f"{kind} {value} ({action})", level)
-        elif ev.kind == "health":
-            rule = d.get("rule") if isinstance(d.get("rule"), str) and d.get("rule") else "health"
-            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-            advice = d.get("advice") if isinstance(d.get("advice"), str) else ""
-            text = reason + (f"; advice: {advice}" if advice else "")
-            self.has_health = True
-            if (rule, ev.step) not in self._seen:
-                self.alerts.append(EventEntry(rule, ev.step, ev.time, text, "warn"))
-                del self.alerts[:-MAX_ALERTS]
-            self._event(rule, ev.step, ev.time, text, "warn")
-        elif ev.kind == "end":
-            self.end = ev
-            status = d.get("status") if isinstance(d.get("status"), str) else "ended"
-            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
-            level = "info" if status == "completed" else "error"
-            self._event(
-                "end",
-                ev.step,
-                ev.time,
-                status + (f" ({reason})" if reason else ""),
-                level,
-                dedupe=False,
-            )
-        else:
+        handler = {
+            "start": self._on_start,
+            "eval": self._on_eval,
+            "checkpoint": self._on_checkpoint,
+            "anomaly": self._on_anomaly,
+            "health": self._on_health,
+            "end": self._on_end,
+        }.get(ev.kind)
+        if handler is None:
             self._event(ev.kind, ev.step, ev.time, "(an event this monitor does not know)")
+        else:
+            handler(ev, ev.data)
+
+    def _on_start(self, ev: Event, d: dict) -> None:
+        total = d.get("total_steps")
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            self.total_steps = total
+        name = d.get("run_name")
+        if isinstance(name, str) and name:
+            self.name = name
+        self.trainer_health = isinstance(d.get("health"), dict)
+        if ev.time is not None and (self.start_time is None or self.end is not None):
+            self.start_time = ev.time
+        self.end = None
+        text = self.name + (f" ({self.total_steps} steps)" if self.total_steps else "")
+        resumed = d.get("resumed_from")
+        if resumed is not None and not isinstance(resumed, dict | list):
+            text += f", resumed from {resumed}"
+        self._event("start", ev.step, ev.time, text, dedupe=False)
+
+    def _on_eval(self, ev: Event, d: dict) -> None:
+        loss = d.get("loss")
+        ppl = d.get("ppl")
+        loss = (
+            float(loss)
+            if isinstance(loss, int | float) and not isinstance(loss, bool)
+            else math.nan
+        )
+        if isinstance(ppl, int | float) and not isinstance(ppl, bool):
+            ppl = float(ppl)
+        else:
+            ppl = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.nan
+        if ev.step is not None:
+            self.evals.append((ev.step, loss, ppl))
+        self._event("eval", ev.step, ev.time, f"loss {fmt_num(loss)}  ppl {fmt_num(ppl)}")
+
+    def _on_checkpoint(self, ev: Event, d: dict) -> None:
+        path = d.get("path")
+        path = path if isinstance(path, str) else ""
+        if d.get("status") == "failed":
+            reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+            self._event("checkpoint", ev.step, ev.time, f"FAILED {reason}".rstrip(), "error")
+        else:
+            self.last_checkpoint = (ev.step, path)
+            self._event("checkpoint", ev.step, ev.time, f"saved {path}".rstrip())
+
+    def _on_anomaly(self, ev: Event, d: dict) -> None:
+        kind = d.get("kind") if isinstance(d.get("kind"), str) else "anomaly"
+        action = d.get("action") if isinstance(d.get("action"), str) else "reported"
+        value = d.get("value")
+        value = (
+            fmt_num(float(value))
+            if isinstance(value, int | float) and not isinstance(value, bool)
+            else "NaN"
+        )
+        derived = {
+            "nonfinite_loss": "nan",
+            "nonfinite_grad": "nan_grad",
+            "grad_spike": "grad_spike",
+            "loss_spike": "loss_spike",
+        }.get(kind, kind)
+        level = "error" if action == "stopped" or kind.startswith("nonfinite") else "warn"
+        self._event(derived, ev.step, ev.time, f"{kind} {value} ({action})", level)
+
+    def _on_health(self, ev: Event, d: dict) -> None:
+        rule = d.get("rule") if isinstance(d.get("rule"), str) and d.get("rule") else "health"
+        reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+        advice = d.get("advice") if isinstance(d.get("advice"), str) else ""
+        text = reason + (f"; advice: {advice}" if advice else "")
+        self.has_health = True
+        if (rule, ev.step) not in self._seen:
+            self.alerts.append(EventEntry(rule, ev.step, ev.time, text, "warn"))
+            del self.alerts[:-MAX_ALERTS]
+        self._event(rule, ev.step, ev.time, text, "warn")
+
+    def _on_end(self, ev: Event, d: dict) -> None:
+        self.end = ev
+        status = d.get("status") if isinstance(d.get("status"), str) else "ended"
+        reason = d.get("reason") if isinstance(d.get("reason"), str) else ""
+        level = "info" if status == "completed" else "error"
+        self._event("end", ev.step, ev.time, status + (f" ({reason})" if reason else ""), level,
+                    dedupe=False)  # fmt: skip
 
     def _detect(self, m: Metric) -> None:
         s = self.settings
