@@ -96,25 +96,15 @@ def train_tokenizer(
     say = progress or (lambda _msg: None)
     coverage = _check_arguments(model_type, vocab_size, input_sentence_size,
                                 max_sentence_length, num_threads, character_coverage)  # fmt: skip
-    specials = _special_ids(
+    specials = _checked_specials(
+        model_type,
         {unk_piece: unk_id, bos_piece: bos_id, eos_piece: eos_id, pad_piece: pad_id},
         {"unk_id": unk_id, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id},
+        control_symbols,
+        user_defined_symbols,
     )
-    _check_symbols(control_symbols, user_defined_symbols, specials)
-    if model_type != "char" and unk_id < 0:
-        raise TokenizerError(
-            f"model_type {model_type!r} needs an unknown id (unk_id >= 0); only 'char' can "
-            "have none"
-        )
-
     stats = ReadStats()
-    try:
-        files = resolve_inputs(inputs, stats)  # unsupported files are counted, not read
-    except NoInputError as exc:
-        raise TokenizerError(str(exc)) from None
-    out_dir = os.fspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise TokenizerError(f"output {out_dir} exists and is not a directory")
+    files, out_dir = _inputs_and_output(inputs, out_dir, stats)
 
     t0 = time.monotonic()
     say(f"reading {len(files)} file(s)")
@@ -155,6 +145,32 @@ def train_tokenizer(
         f"(read {read_s:.1f}s, train {train_s:.1f}s)"
     )
     return tok
+
+
+def _checked_specials(model_type, pieces, ids, control_symbols, user_defined_symbols) -> dict:
+    """The special pieces and ids, refused in one line when they collide or when a
+    subword model would have no unknown id."""
+    specials = _special_ids(pieces, ids)
+    _check_symbols(control_symbols, user_defined_symbols, specials)
+    if model_type != "char" and ids["unk_id"] < 0:
+        raise TokenizerError(
+            f"model_type {model_type!r} needs an unknown id (unk_id >= 0); only 'char' can "
+            "have none"
+        )
+    return specials
+
+
+def _inputs_and_output(inputs, out_dir, stats: ReadStats) -> tuple[list, str]:
+    """The input files (unsupported ones counted in `stats`, not read) and the output
+    directory, refused in one line before any reading."""
+    try:
+        files = resolve_inputs(inputs, stats)
+    except NoInputError as exc:
+        raise TokenizerError(str(exc)) from None
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise TokenizerError(f"output {out_dir} exists and is not a directory")
+    return files, out_dir
 
 
 def _metadata(model_type, vocab_size, backend, ids, control_symbols, user_defined_symbols,
