@@ -271,6 +271,31 @@ def _layout_json(lay: _Layout, b: int, s: int, mcfg, recomputed, worst: int, cdt
     }  # fmt: skip
 
 
+def _block_inventories(mcfg, c: int, notes: list[str]):
+    """(dense block, MoE block, number of MoE layers): the per-layer activation inventories."""
+    if mcfg.family == "llama":
+        inv = llama_block(mcfg, c)
+        return inv, inv, 0
+    inv_dense, inv_moe = deepseek_blocks(mcfg, c)
+    notes.append("deepseek_v3: per-stage parameters split evenly; MoE activations at even load")
+    return inv_dense, inv_moe, mcfg.num_layers - mcfg.first_k_dense_replace
+
+
+def _recomputed_layers(mcfg) -> set:
+    if mcfg.recompute == "full":
+        return set(range(mcfg.num_layers))
+    if mcfg.recompute == "selected":
+        return set(mcfg.recompute_layers)
+    return set()
+
+
+def _default_runtime_bytes(is_cpu: bool, world: int) -> int:
+    """The framework's own resident memory: the CPU process (more under msrun) or a device's."""
+    if not is_cpu:
+        return RUNTIME_GPU_BYTES
+    return RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if world > 1 else 0)
+
+
 def estimate(
     cfg,
     *,
@@ -296,18 +321,8 @@ def estimate(
     policy = Policy(param=_BYTES[mcfg.param_dtype], grad=_BYTES[mcfg.param_dtype])
     b, s = cfg.training.micro_batch_size, cfg.train_dataset.seq_length
     stages = _stage_param_sizes(mcfg, lay.tp, lay.pp)
-    if mcfg.family == "llama":
-        inv_dense = inv_moe = llama_block(mcfg, c)
-        n_moe = 0
-    else:
-        inv_dense, inv_moe = deepseek_blocks(mcfg, c)
-        n_moe = mcfg.num_layers - mcfg.first_k_dense_replace
-        notes.append("deepseek_v3: per-stage parameters split evenly; MoE activations at even load")
-    recomputed: set = set()
-    if mcfg.recompute == "full":
-        recomputed = set(range(mcfg.num_layers))
-    elif mcfg.recompute == "selected":
-        recomputed = set(mcfg.recompute_layers)
+    inv_dense, inv_moe, n_moe = _block_inventories(mcfg, c, notes)
+    recomputed = _recomputed_layers(mcfg)
     cpu_graph = is_cpu and cfg.context.mode == "graph" and not lay.engine
     acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph)
     stage_act, stage_tot, comps_by_stage = [], [], []
@@ -321,11 +336,7 @@ def estimate(
         comps_by_stage.append(comps)
         stage_act.append(int(act))
     if runtime_bytes is None:
-        runtime_bytes = (
-            RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if lay.world > 1 else 0)
-            if is_cpu
-            else RUNTIME_GPU_BYTES
-        )
+        runtime_bytes = _default_runtime_bytes(is_cpu, lay.world)
     for st, comps in enumerate(comps_by_stage):
         alloc = sum(comps.values())
         comps["fragmentation reserve"] = FRAGMENTATION_SHARE * alloc
