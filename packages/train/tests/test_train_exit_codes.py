@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from mindloom_train import EXIT_TABLE
 from mindloom_train._cli import main
-from train_testutil import base_config, events, run_config
+from train_testutil import events, one_layer_config, run_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -51,8 +51,7 @@ def test_row_interrupted_twice_exits_130(prepared, tmp_path):
     # compiled step stays (MindSpore installs its own SIGINT handler as its first graph
     # runs, which the trainer must override), on one layer: the size changes nothing here
     run = tmp_path / "r"
-    model = {"preset": "debug", "vocab_size": None, "num_layers": 1}
-    cfg = base_config(prepared, run, model=model, eval_dataset=None)
+    cfg = one_layer_config(prepared, run)  # test_train_loop's guard run's graph
     assert run_config(cfg, fault="sigterm@2,sigint@2") == 130
     end = events(run, "end")[-1]
     assert end["exit_code"] == 130 and end["reason"] == "interrupted twice"

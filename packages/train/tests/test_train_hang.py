@@ -16,6 +16,7 @@ resumes from the last complete checkpoint (step 2) and finishes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -47,13 +48,22 @@ NODE_TIMEOUT = "5"
 HANG_NODE_TIMEOUT = "16"
 
 
-def _config(prepared, run: Path, comm_timeout_s: float) -> dict:
+def _config(prepared, run: Path, comm_timeout_s: float, store: Path) -> dict:
     # no held-out set: no check here evaluates, and the relaunch that finishes would
-    # compile the evaluation graph in both workers for its final evaluation
+    # compile the evaluation graph in both workers for its final evaluation. All three
+    # launches have one graph config (comm_timeout_s is graph-free) and one compile store
+    # of this module's: the kill job compiles, the hang job and the relaunch load.
     return base_config(prepared, run, model=TINY_MODEL, lr_scheduler=SCHED, eval_dataset=None,
                        training={"train_iters": STEPS, "micro_batch_size": 2},
                        parallelism={"dp": 2, "comm_timeout_s": comm_timeout_s},
-                       checkpoint={"save_interval": 2})  # fmt: skip
+                       checkpoint={"save_interval": 2},
+                       context={"compile_cache_dir": str(store)})  # fmt: skip
+
+
+def _published(store: Path) -> list[str]:
+    """The role of every entry in the store (hidden names are entries being written)."""
+    entries = (p for p in store.glob("*/*") if not p.name.startswith("."))
+    return sorted(json.loads((e / "manifest.json").read_text())["role"] for e in entries)
 
 
 def _start(cfg: dict, path: Path, node_timeout: str, fault: str | None = None):
@@ -73,14 +83,10 @@ def _worker_logs(log_dir: Path) -> str:
 @pytest.fixture(scope="module")
 def jobs(prepared, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hang")
-    hang, kill = root / "hang", root / "kill"
+    hang, kill, store = root / "hang", root / "kill", root / "compile_cache"
     # ranks wait for the test at step 3: a watchdog budget far above the poll's latency
-    kill_cfg = _config(prepared, kill, comm_timeout_s=120)
-    procs = {
-        "hang": _start(_config(prepared, hang, TIMEOUT_S), root / "hang.yaml",
-                       HANG_NODE_TIMEOUT, "hang@3:1"),
-        "kill": _start(kill_cfg, root / "kill.yaml", NODE_TIMEOUT, "await_stop@3"),
-    }  # fmt: skip
+    kill_cfg = _config(prepared, kill, 120, store)
+    procs = {"kill": _start(kill_cfg, root / "kill.yaml", NODE_TIMEOUT, "await_stop@3")}
     logs = {
         name: run / "msrun_logs"
         for name, run in (("hang", hang), ("kill", kill), ("relaunch", kill))
@@ -88,6 +94,17 @@ def jobs(prepared, tmp_path_factory) -> dict:
     out: dict = {"hang": hang, "kill": kill}
     try:
         t0 = time.monotonic()
+
+        def compiled() -> bool:
+            assert procs["kill"].poll() is None, procs["kill"].communicate()[1][-3000:]
+            roles = _published(store) if store.is_dir() else []
+            return roles.count("comm_probe") == 2 and roles.count("train_step") == 2
+
+        # the hang job once the kill job's ranks have published their graphs: its ranks
+        # load them instead of compiling the same graphs at the same moment
+        wait_until(compiled, 600, "the kill job's comm_probe and train_step published")
+        procs["hang"] = _start(_config(prepared, hang, TIMEOUT_S, store), root / "hang.yaml",
+                               HANG_NODE_TIMEOUT, "hang@3:1")  # fmt: skip
 
         def ready() -> int | None:
             assert procs["kill"].poll() is None, procs["kill"].communicate()[1][-3000:]

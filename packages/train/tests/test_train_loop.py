@@ -22,6 +22,7 @@ from train_testutil import (
     SCHED,
     base_config,
     events,
+    one_layer_config,
     read_metrics,
     run_cli,
     run_config,
@@ -140,11 +141,10 @@ def guarded(prepared, tmp_path_factory) -> tuple[Path, int]:
     compared with another run, and the guards do not depend on the size. -> (run dir, exit
     code)."""
     run = tmp_path_factory.mktemp("guarded") / "g"
-    model = {"preset": "debug", "vocab_size": None, "num_layers": 1}
-    cfg = base_config(prepared, run, lr_scheduler=SCHED, eval_dataset=None, model=model,
-                      training={"train_iters": 10, "grad_spike_threshold": 1000.0,
-                                "max_consecutive_skips": 2},
-                      checkpoint={"save_interval": 7})  # fmt: skip
+    # grad_spike_threshold 1000 and max_consecutive_skips 2 are one_layer_config's own
+    cfg = one_layer_config(
+        prepared, run, training={"train_iters": 10}, checkpoint={"save_interval": 7}
+    )
     return run, _run(cfg, fault="nan_loss@2,inf_grad@4,grad_spike@6,nan_loss@8-9")
 
 

@@ -19,7 +19,15 @@ import yaml
 from mindloom_train import _checkpoint as ck
 from mindloom_train import _config
 from mindloom_train._config import ConfigError, from_dict
-from train_testutil import SCHED, base_config, events, read_metrics, run_cli, run_config
+from train_testutil import (
+    SCHED,
+    base_config,
+    events,
+    one_layer_config,
+    read_metrics,
+    run_cli,
+    run_config,
+)
 
 # ---------------------------------------------------------------------------------------
 # configs: every number finite, ranges, YAML aliases, echo limit (no MindSpore)
@@ -393,10 +401,6 @@ def train_cli(tmp_path, capsys, monkeypatch):
     return run
 
 
-# the size of the model changes nothing in the rows that only need a compiled step to run
-ONE_LAYER = {"preset": "debug", "vocab_size": None, "num_layers": 1}
-
-
 def _one_error_line(proc) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -479,9 +483,10 @@ def test_row_config_error_during_the_run_exits_2(prepared, tmp_path, train_cli):
 
 
 def test_row_failed_step_exits_1_in_one_line(prepared, tmp_path, train_cli):
-    # one layer, no held-out set: the failed step needs a compiled step, not a big one
+    # one layer, no held-out set: the failed step needs a compiled step, not a big one (the
+    # graph of test_train_loop's guard run: one_layer_config)
     run = tmp_path / "r"
-    cfg = base_config(prepared, run, model=ONE_LAYER, eval_dataset=None)
+    cfg = one_layer_config(prepared, run)
     proc = train_cli(cfg, fault="step_error@3")
     assert proc.returncode == 1
     last = _one_error_line(proc)
@@ -507,10 +512,12 @@ def test_row_enospc_on_metrics_ends_with_one_line_and_whole_records(prepared, tm
     run = tmp_path / "small"
     if not _can_mount_tmpfs(run):
         pytest.skip("cannot mount a tmpfs here (unshare -rm not permitted)")
-    cfg = base_config(prepared, run, training={"train_iters": 60}, monitor={"log_interval": 1},
-                      checkpoint={"save_path": str(tmp_path / "ck"), "save_at_end": False},
-                      model=ONE_LAYER)  # fmt: skip
-    cfg.pop("eval_dataset")
+    cfg = one_layer_config(
+        prepared,
+        run,
+        training={"train_iters": 60},
+        checkpoint={"save_path": str(tmp_path / "ck"), "save_at_end": False},
+    )
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "copy"

@@ -138,6 +138,22 @@ TINY_MODEL = {"preset": "debug", "vocab_size": None, "num_layers": 1, "hidden_si
               "ffn_hidden_size": 64}  # fmt: skip
 
 
+def one_layer_config(prepared: dict[str, str], run_dir: Path, **sections) -> dict:
+    """The one-process runs that need a compiled step but no particular model or data
+    (test_train_loop's guards, the exit-code rows of a failed step, a double interrupt and a
+    full disk): one layer of the debug preset, no held-out set, and the guard settings the
+    guard test needs (inert in the others: nothing spikes 1000-fold, nothing skips). The
+    compile cache keys the whole config but its graph-free keys, so one config for all of
+    them is one graph for all of them (`./dev test` shares the store)."""
+    cfg = base_config(prepared, run_dir, model={"preset": "debug", "vocab_size": None,
+                                                "num_layers": 1},
+                      lr_scheduler=SCHED, eval_dataset=None,
+                      training={"grad_spike_threshold": 1000.0, "max_consecutive_skips": 2})  # fmt: skip
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
     """Poll `predicate` until it returns a true value (returned) or `timeout_s` passes
     (AssertionError naming `what`): a test acts on an observed event, never on a sleep."""
