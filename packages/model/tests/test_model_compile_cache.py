@@ -148,3 +148,34 @@ def test_concurrent_publishers_leave_one_valid_entry(tmp_path):
     first = data[0]
     cache._publish(entry, slots[(first + 1) % 8], "role")
     assert (entry / "graph.mindir").read_bytes()[0] == first
+
+
+def test_generate_loads_its_decoder_graphs_for_another_model_of_the_same_config(tmp_path):
+    """`generate(..., compile_cache=)`: the prompt and one-token decoder graphs are published
+    once and loaded for another model of the same config (other weights: the loaded graphs
+    must read that model's parameters), and a config change that only shows up as a value
+    baked into the graph (rope_theta -> the RoPE table) is a miss, not a stale hit."""
+    import dataclasses
+
+    from mindloom_model import Llama, generate, get_preset
+
+    def cache(cfg):
+        return CompileCache(tmp_path, {"model": dataclasses.asdict(cfg)}, log=[].append)
+
+    cfg = get_preset("debug", num_layers=1, max_seq_len=16, init_std=0.2, embed_init_std=1.0)
+    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 4))
+    first = cache(cfg)
+    generate(Llama(cfg, seed=1), prompt, 5, temperature=0, compile_cache=first)
+    assert (first.hits, first.misses) == (0, 2)
+
+    other = Llama(cfg, seed=2)
+    again = cache(cfg)
+    got = generate(other, prompt, 5, temperature=0, compile_cache=again)
+    assert (again.hits, again.misses) == (2, 0)
+    # the independent path: the uncached full forward's argmax, token by token
+    np.testing.assert_array_equal(got, generate(other, prompt, 5, temperature=0, use_cache=False))
+
+    theta = dataclasses.replace(cfg, rope_theta=500.0)
+    changed = cache(theta)
+    generate(Llama(theta, seed=2), prompt, 5, temperature=0, compile_cache=changed)
+    assert (changed.hits, changed.misses) == (0, 2)

@@ -75,6 +75,18 @@ def _decoder(model: Llama) -> _CachedDecoder:
     return _decoders[model]
 
 
+def _through(cache, dec, model):
+    """The decoder and the model's forward, called through `cache` (CompileCache.run)."""
+
+    def cached_dec(*args):
+        return cache.run("generate_decoder", dec, *args)
+
+    def cached_forward(x):
+        return cache.run("generate_forward", model, x)
+
+    return (cached_dec if dec is not None else None), cached_forward
+
+
 def _empty_cache(model: Llama, batch: int):
     if isinstance(model, DeepseekV3):
         return mla_empty_cache(model, batch)
@@ -123,6 +135,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     use_cache: bool = True,
+    compile_cache=None,
 ) -> np.ndarray:
     """Continue `prompt` ([T] or [B, T] token ids) by up to max_new_tokens -> int32 [B, T + N].
 
@@ -130,6 +143,11 @@ def generate(
     generation stops when every row has. The context is the model's max_seq_len: past it,
     the no-cache path crops to the last max_seq_len tokens (as nanoGPT does) and the cache
     path re-reads the last max_seq_len // 2 tokens into a fresh cache.
+
+    `compile_cache` (a `CompileCache` whose context holds the model's config): the
+    decoder's graphs (prompt, one token) come from its store when a verified entry exists
+    and are published there otherwise, so the next generation from the same architecture
+    (another process, another checkpoint) starts without compiling them.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, found {temperature}")
@@ -149,6 +167,9 @@ def generate(
         done = np.zeros(ids.shape[0], bool)
         cached_len = None  # tokens in the cache; None = no cache yet
         dec = _decoder(model) if use_cache else None
+        forward = model
+        if compile_cache is not None:  # through the store only when a call compiles
+            dec, forward = _through(compile_cache, dec, model)
         for _ in range(max_new_tokens):
             if use_cache:
                 if cached_len is None or cached_len >= ctx:
@@ -165,7 +186,7 @@ def generate(
                 n = window.shape[1]
                 padded = np.zeros((ids.shape[0], ctx), np.int32)
                 padded[:, :n] = window
-                last = model(Tensor(padded))[:, n - 1].asnumpy()
+                last = forward(Tensor(padded))[:, n - 1].asnumpy()
             nxt = sample_next(last, rng, temperature, top_k, top_p)
             if eos_id is not None:
                 nxt = np.where(done, eos_id, nxt)

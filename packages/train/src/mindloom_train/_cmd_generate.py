@@ -8,7 +8,12 @@ from pathlib import Path
 
 from mindloom_train._cliargs import positive_int
 from mindloom_train._errors import CommandError
-from mindloom_train._generate import load_model, load_tokenizer, sample_text
+from mindloom_train._generate import (
+    generate_compile_cache,
+    load_model,
+    load_tokenizer,
+    sample_text,
+)
 
 
 def add_parser(sub) -> None:
@@ -41,12 +46,18 @@ def _cmd_generate(args) -> int:
         shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
         print(f"generate: step {ckpt.step}; {note}; prompt ids [{shown}]", file=sys.stderr)
 
+    def note(line: str) -> None:
+        print(f"generate: {line}", file=sys.stderr)
+
+    graphs = generate_compile_cache(model, note)
     try:
         text = sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                            args.top_k, args.top_p, args.seed,
-                           contract=ckpt.common.get("data_contract"), on_ids=say)  # fmt: skip
+                           contract=ckpt.common.get("data_contract"), on_ids=say,
+                           compile_cache=graphs)  # fmt: skip
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    note(graphs.summary())
     print(text)
     return 0
 

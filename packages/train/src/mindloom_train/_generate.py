@@ -139,7 +139,7 @@ def prompt_ids(tok, prompt: str, contract: dict | None) -> tuple[list[int], str]
 
 def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8,
                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                contract: dict | None = None, on_ids=None) -> str:  # fmt: skip
+                contract: dict | None = None, on_ids=None, compile_cache=None) -> str:  # fmt: skip
     from mindloom_model import generate
 
     ids, note = prompt_ids(tok, prompt, contract)
@@ -155,6 +155,7 @@ def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
         top_p=top_p,
         eos_id=tok.eos_id if tok.eos_id >= 0 else None,
         seed=seed,
+        compile_cache=compile_cache,
     )
     row = [int(i) for i in out[0]]
     if on_ids is not None:  # what the model was fed, as generate returns it
@@ -164,3 +165,15 @@ def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
     if tok.eos_id >= 0 and tok.eos_id in row[len(ids) - bos :]:
         row = row[: row.index(tok.eos_id, len(ids) - bos)]
     return tok.decode(row)
+
+
+def generate_compile_cache(model, log):
+    """The store `mindloom generate` compiles its decoder graphs through: the training
+    runs' store ($MINDLOOM_COMPILE_CACHE, else ~/.cache/mindloom/compile), keyed by the
+    model's whole config (a value like rope_theta is baked into the graph as a constant)."""
+    import dataclasses
+
+    from mindloom_model import CompileCache, compile_cache_dir
+
+    context = {"purpose": "generate", "model": dataclasses.asdict(model.config)}
+    return CompileCache(compile_cache_dir(), context, log=log)
