@@ -17,11 +17,16 @@ from mindloom_train._config import ConfigError, from_dict
 from mindloom_train._health import RULES, HealthConfig, HealthMonitor
 from mindloom_train._metrics import MetricsWriter
 from train_testutil import (
+    SCHED,
+    TINY_MODEL,
     base_config,
     events,
     read_metrics,
     run_config,
+    start_launch,
     step_records,
+    stop_launches,
+    wait_launches,
 )
 
 
@@ -368,3 +373,39 @@ def test_padding_above_5_percent_at_pack_time_is_an_event(tmp_path):
     concat = PackedDataset(tmp_path / "short", 8, mode="concat", num_samples=20, cache_dir=None)
     assert mon.check_packing(concat, "train", 0) == []
     assert lines[-1].startswith("data: train packed concat: padding 0.00%")
+
+
+# --- comm_high on a real two-rank launch: a slow gradient all-reduce ---------------------
+
+
+@pytest.mark.msrun
+def test_a_slow_gradient_all_reduce_raises_comm_high_in_a_two_rank_launch(prepared, tmp_path):
+    """A dp=2 launch of the tiny model (compiled step: its all-reduce is timed by the comm
+    probe at each log step). Fault slow_comm@4-6:0.6 starts that timed all-reduce 0.6 x the
+    step late on both ranks at updates 4-6: communication above a third of the step for
+    two records in a row raises comm_high at step 5; records 1-3, the same launch without
+    the fault, raise nothing. Four micro-batches per step: without them the tiny model's
+    step is mostly fixed overhead and its real all-reduce took 25-33% of it on a loaded
+    machine, too close to the rule's third for a silent run to stay silent."""
+    cfg = base_config(prepared, tmp_path / "run", model=TINY_MODEL, lr_scheduler=SCHED,
+                      eval_dataset=None, parallelism={"dp": 2},
+                      training={"train_iters": 6, "global_batch_size": 16, "micro_batch_size": 2})  # fmt: skip
+    procs = {"dp2": start_launch(cfg, tmp_path / "dp2.yaml", "slow_comm@4-6:0.6")}
+    try:
+        wait_launches(procs, timeout_s=460)
+    finally:
+        stop_launches(procs, {"dp2": tmp_path / "run" / "msrun_logs"})
+    run = tmp_path / "run"
+    recs = step_records(run)
+    assert sorted(recs) == list(range(1, 7))
+    # the reference: each record's per-rank shares, measured by the probe's own timer
+    for s in (4, 5, 6):
+        assert len(recs[s]["comm_share_ranks"]) == 2
+        assert min(recs[s]["comm_share_ranks"]) >= 0.6, recs[s]["comm_share_ranks"]
+    assert health_events(run) == [("comm_high", 5)], events(run, "health")
+    (ev,) = events(run, "health")
+    assert ev["value"] == max(recs[5]["comm_share_ranks"])
+    assert ev["threshold"] == pytest.approx(1 / 3)
+    assert ev["reason"].startswith("communication takes ") and "of the step (rank " in ev["reason"]
+    assert ev["advice"] == RULES["comm_high"]
+    assert "health: step 5 comm_high: communication takes " in (run / "train.log").read_text()
