@@ -2,7 +2,7 @@
 step on the trainer's own runner at the default log interval, in one process.
 
     ./dev bench benchmarks/health_overhead.py [--preset 17m] [--batch 4] [--seq 256]
-        [--rounds 3] [--host-rounds 200] [--threads 2] [--log-interval 10]
+        [--rounds 3] [--host-rounds 200] [--threads 2] [--log-interval 10] [--arms A,B]
 
 One `CompiledRunner` (the one `mindloom train` builds: the plain compiled step on every
 step; at log steps a stats step instead, the same update also returning what the monitors
@@ -73,6 +73,9 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-interval", type=int, default=None,
                    help="default: the config's (monitor.log_interval)")  # fmt: skip
+    p.add_argument(
+        "--arms", default=None, help="comma-separated graph arms to time (default: all of them)"
+    )
     return p.parse_args(argv)
 
 
@@ -101,18 +104,20 @@ def variant_cells():
     reads the same five columns for every arm."""
     import mindspore as ms
     from mindloom_train._numerics import _logit_stats_cells
-    from mindloom_train._step import TrainStep
+    from mindloom_train._step import TrainStep, sum_all
     from mindspore import ops
 
     def zero():
         return ops.zeros((), ms.float32)
 
+    # the same reductions as TrainStep._numerics (sum_all over each tensor's r x c view)
     class LocalNorms(TrainStep):
         def _numerics(self, loss, sq, inv, before):
             rows = ()
             for i in range(len(before)):
-                w = before[i].reshape(1, -1)
-                rows = rows + (ops.stack((sq[i] * inv * inv, ops.matmul(w, w.T).reshape(()),
+                r, c = self.views[i]
+                rows = rows + (ops.stack((sq[i] * inv * inv,
+                                          sum_all(before[i] * before[i], r, c),
                                           zero(), zero(), zero())),)  # fmt: skip
             return ops.stack(rows)
 
@@ -121,10 +126,10 @@ def variant_cells():
             rows = ()
             for i in range(len(before)):
                 after = ops.depend(self.weights[i], loss)  # read after the update
-                w = before[i].reshape(1, -1)
-                d = (after - before[i]).reshape(1, -1)
-                rows = rows + (ops.stack((zero(), ops.matmul(w, w.T).reshape(()),
-                                          ops.matmul(d, d.T).reshape(()), zero(), zero())),)  # fmt: skip
+                d = after - before[i]
+                r, c = self.views[i]
+                rows = rows + (ops.stack((zero(), sum_all(before[i] * before[i], r, c),
+                                          sum_all(d * d, r, c), zero(), zero())),)  # fmt: skip
             return ops.stack(rows)
 
     class AdamMoments(TrainStep):
@@ -133,7 +138,9 @@ def variant_cells():
             for i in range(len(before)):
                 m = ops.abs(ops.depend(self.exp_avg[i], loss))
                 v = ops.sqrt(ops.depend(self.exp_avg_sq[i], loss))
-                rows = rows + (ops.stack((zero(), zero(), zero(), m.mean(), v.mean())),)
+                r, c = self.views[i]
+                rows = rows + (ops.stack((zero(), zero(), zero(), sum_all(m, r, c) / (r * c),
+                                          sum_all(v, r, c) / (r * c))),)  # fmt: skip
             return ops.stack(rows)
 
     base = _logit_stats_cells()[0]  # LossWithLogitStats
@@ -203,6 +210,13 @@ def main(argv=None) -> int:
         step = type(plain_step)(net, weights, flags, runner.accum, share=plain_step)
         arms[name] = (step, net.stats, False, False)
 
+    all_on = arms["all on"]  # the host arms read its stats
+    if args.arms:
+        keep = [a.strip() for a in args.arms.split(",")]
+        unknown = [a for a in keep if a not in arms]
+        if unknown:
+            raise SystemExit(f"--arms: unknown {unknown}; known: {list(arms)}")
+        arms = {a: arms[a] for a in keep}
     writer = MetricsWriter(run_dir / "metrics.jsonl")
     health = HealthMonitor(cfg.monitor.health)
     batch = packed_batch(built.mcfg.vocab_size, args.batch, args.seq)
@@ -281,7 +295,7 @@ def main(argv=None) -> int:
                   + f"; plain step {statistics.median(plain) * 1e3:.0f} ms", flush=True)  # fmt: skip
 
     # the host arms, A/B on the stats of one stats step: the record with and without each
-    runner.numerics, runner.stats_step, runner.logit_buffer = stats, *arms["all on"][:2]
+    runner.numerics, runner.stats_step, runner.logit_buffer = stats, *all_on[:2]
     cfg.monitor.numerics = True
     step_no[0] += 1
     res = one_step(step_no[0])

@@ -33,6 +33,12 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
                                            producer thread waits for that, then sleeps):
                                            a slow data source the prefetch cannot hide,
                                            seen as data wait whatever the step time
+    MINDLOOM_FAULT="slow_comm@4-6:0.6"     the data-parallel gradient all-reduce that the log
+                                           records of updates 4-6 time (the compiled step's
+                                           comm probe) starts 0.6 x the rank's mean step
+                                           time late on every rank, inside its timer: a
+                                           communication share of at least 60%, whatever
+                                           the machine's load
     MINDLOOM_FAULT="nan_loss@3:1"          step faults take an optional rank (here rank 1)
 
 Several faults are separated by commas; a step range `a-b` fires on every step in it.
@@ -56,6 +62,7 @@ BALLAST_MB = 64
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
 _SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save"}
 _DATA_KINDS = {"slow_data"}
+_COMM_KINDS = {"slow_comm"}
 
 
 class FaultSpecError(ValueError):
@@ -77,7 +84,7 @@ def parse(spec: str | None) -> list[Fault]:
         if not item:
             continue
         kind, _, rest = item.partition("@")
-        if kind not in _STEP_KINDS | _SAVE_KINDS | _DATA_KINDS or not rest:
+        if kind not in _STEP_KINDS | _SAVE_KINDS | _DATA_KINDS | _COMM_KINDS or not rest:
             raise FaultSpecError(f"{ENV}: cannot parse {item!r}")
         steps, _, arg = rest.partition(":")
         try:
@@ -114,6 +121,11 @@ class FaultInjector:
         data wait is the loader's own measurement)."""
         slow = [f for f in self.faults if f.kind == "slow_data"]
         return _SlowData(dataset, slow, global_batch_size, self) if slow else dataset
+
+    def slow_comm(self, step: int) -> float:
+        """The delay of the collective timed at update `step`'s record, as a fraction of
+        the rank's mean step time (0.0: none)."""
+        return sum(float(f.arg or 0.5) for f in self._hits("slow_comm", step))
 
     def at_step_start(self, step: int, stopped=lambda: False) -> None:
         """The faults that fire as update `step` begins: sigterm, sigint, sigkill, hang,

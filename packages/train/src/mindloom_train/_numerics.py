@@ -107,7 +107,9 @@ def _logit_stats_cells():
 
         def _top(self, q, k, mask):
             scores = self.bmm(q, k).astype(ms.float32)  # [B, H, S, S]
-            return (scores + mask).max()  # the mask's -1e9 keeps disallowed pairs out
+            # the mask's -1e9 keeps disallowed pairs out; the row maxima first: a whole-tensor
+            # ReduceMax is ~3x slower on the CPU backend (the same value: max is exact)
+            return (scores + mask).max(-1).max()
 
         def _frac(self, x, loss_mask):
             m = self.model

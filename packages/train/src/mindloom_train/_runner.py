@@ -67,6 +67,9 @@ class CompiledRunner:
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
         grad_red = loss_red = eval_red = norm_red = None
         self.comm_probe, self._probe_grads, self._last_comm = None, None, None
+        # test-only (MINDLOOM_FAULT=slow_comm): the next probe starts this fraction of the
+        # mean step time late, inside its timer
+        self.comm_delay = 0.0
         dp_size = runtime.dp_size
         if self.tp is not None:
             grad_red, loss_red = self.tp.grad_reducer, self.tp.loss_reducer
@@ -278,6 +281,8 @@ class CompiledRunner:
         from mindloom_parallel import gather_rows
 
         t0 = time.perf_counter()
+        if self.comm_delay:
+            time.sleep(self.comm_delay * window.mean_step_time())
         self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
         comm = time.perf_counter() - t0
         # the same all-gather carries each rank's memory and step time (_rankstats)

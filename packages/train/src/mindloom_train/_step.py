@@ -111,6 +111,7 @@ class TrainStep(_Base):
         # off (the default): the graph is exactly the plain step's. On: the step also
         # returns NUMERICS per parameter tensor (see layer_numerics)
         self.numerics = numerics
+        self.views = tuple(sum_view(int(np.prod(p.shape))) for p in weights) if numerics else ()
         self.accum_steps = accum_steps
         if share is not None:
             # a second graph of the same step (numerics on, called at log steps only): it
@@ -224,18 +225,36 @@ class TrainStep(_Base):
         rows = ()
         for i in range(len(before)):
             after = ops.depend(self.weights[i], loss)  # read after the update
-            w = before[i].reshape(1, -1)
-            d = (after - before[i]).reshape(1, -1)
+            d = after - before[i]
             m = ops.abs(ops.depend(self.exp_avg[i], loss))
             v = ops.sqrt(ops.depend(self.exp_avg_sq[i], loss))
+            r, c = self.views[i]
             rows = rows + (ops.stack((
                 sq[i] * inv * inv,
-                ops.matmul(w, w.T).reshape(()),
-                ops.matmul(d, d.T).reshape(()),
-                m.mean(),
-                v.mean(),
+                sum_all(before[i] * before[i], r, c),
+                sum_all(d * d, r, c),
+                sum_all(m, r, c) / (r * c),
+                sum_all(v, r, c) / (r * c),
             )),)  # fmt: skip
         return ops.stack(rows)
+
+
+def sum_all(x, r: int, c: int):
+    """The sum of all elements of `x` (r * c of them) as ones[1, r] @ x[r, c] @ ones[c, 1]:
+    on MindSpore's CPU backend ~4x faster than ReduceSum/ReduceMean of the whole tensor and
+    ~2x faster than a [1, n] x [n, 1] matmul on the 17m preset's tensors (with those the
+    statistics took ~0.6 s of a 1.6 s step)."""
+    left = ops.ones((1, r), ms.float32)
+    right = ops.ones((c, 1), ms.float32)
+    return ops.matmul(ops.matmul(left, x.reshape(r, c)), right).reshape(())
+
+
+def sum_view(n: int) -> tuple[int, int]:
+    """(r, c) with r * c = n, r the largest divisor of n up to its square root."""
+    r = max(1, math.isqrt(n))
+    while n % r:
+        r -= 1
+    return r, n // r
 
 
 # the numerics' host side lives in _numerics (these names stay importable from here)

@@ -325,6 +325,8 @@ class Trainer:
         rec.update(self.runner.extra_fields())
         # a collective on several ranks: only at steps every rank logs (not a forced log)
         probe = step % self.cfg.monitor.log_interval == 0 or step == total
+        if self.fault:  # test-only: slow_comm delays the timed collective
+            self.runner.comm_delay = self.fault.slow_comm(step)
         rec.update(self.runner.comm_fields(window, probe))
         self.metrics.write(rec)
         self.log.progress(progress_text(rec, total), console=self.cfg.monitor.progress_bar)
