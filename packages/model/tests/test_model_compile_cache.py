@@ -5,6 +5,7 @@ valid entry. Values are checked against NumPy; the store is a fresh directory pe
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -165,8 +166,10 @@ def test_generate_loads_its_decoder_graphs_for_another_model_of_the_same_config(
     cfg = get_preset("debug", num_layers=1, max_seq_len=16, init_std=0.2, embed_init_std=1.0)
     prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 4))
     first = cache(cfg)
+    stderr = sys.stderr  # pytest's capture: a cached compile must leave it in place
     generate(Llama(cfg, seed=1), prompt, 5, temperature=0, compile_cache=first)
     assert (first.hits, first.misses) == (0, 2)
+    assert sys.stderr is stderr, "MindSpore's cached compile replaced sys.stderr"
 
     other = Llama(cfg, seed=2)
     again = cache(cfg)

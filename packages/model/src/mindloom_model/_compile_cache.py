@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -208,6 +209,10 @@ class CompileCache:
         slot = PROCESS.slot()
         staged = self._stage(entry, slot)
         before = len(cell.compile_cache)
+        # MindSpore 2.10's cached compile replaces sys.stderr (and sys.__stderr__) with a
+        # bare fd-2 printer: output still reaches fd 2, but whatever the caller had put there
+        # (pytest's capsys, a notebook's stream, a redirect_stderr) stops receiving it
+        streams = sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__
         try:
             with PROCESS.enabled():
                 out = cell(*args)
@@ -215,6 +220,8 @@ class CompileCache:
         except BaseException:
             PROCESS.clear()
             raise
+        finally:
+            sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__ = streams
         compiled = len(cell.compile_cache) > before
         written = PROCESS.written()
         try:
