@@ -179,14 +179,16 @@ MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const floa
 
 // ------------------------------------------------------------------------ attention
 //
-// q [B, S, H, Dh] (already multiplied by the softmax scale), k/v [B, S, KV, Dh],
-// seg [B or 1, S] int32. Query i sees key j iff j <= i and seg[i] == seg[j]. Query head h
-// reads kv head h / (H / KV). Each (batch, head) is one task: its keys are copied
-// transposed ([Dh, S]) so that a query's scores against all keys are Dh axpy's over the
-// key axis (no horizontal sums), and only one row of S scores exists at a time.
+// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv] (Dv may differ from Dk: MLA's
+// value heads are narrower than its nope + rope query-key heads), seg [B or 1, S] int32,
+// scale [1]: score = scale * q . k. Query i sees key j iff j <= i and seg[i] == seg[j].
+// Query head h reads kv head h / (H / KV). Each (batch, head) is one task: its keys are
+// copied transposed ([Dk, S]) so that a query's scores against all keys are Dk axpy's over
+// the key axis (no horizontal sums), and only one row of S scores exists at a time.
 
 struct AttnDims {
-  int64_t b, s, h, kv, dh, seg_b;
+  int64_t b, s, h, kv, dk, dv, seg_b;
+  float scale;
 };
 
 // scores[j] = q . k_j for j in [j0, n), from kt [Dh, S]
@@ -210,24 +212,28 @@ int64_t first_key(const int32_t *sg, int64_t i) {
 
 MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
                                  const int32_t *seg, float *o, float *lse, AttnDims a) {
-  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
-  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+  const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv;
+  const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
+  const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
 #pragma omp parallel
   {
-    std::vector<float> kt(static_cast<size_t>(Dh * S)), p(static_cast<size_t>(S));
+    std::vector<float> kt(static_cast<size_t>(Dk * S)), p(static_cast<size_t>(S));
+    std::vector<float> qs(static_cast<size_t>(Dk));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.b * a.h; ++task) {
       const int64_t bi = task / a.h, hi = task % a.h, kvi = hi / rep;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
-      const float *kb = k + bi * S * kstride + kvi * Dh;
-      const float *vb = v + bi * S * kstride + kvi * Dh;
+      const float *kb = k + bi * S * kstride + kvi * Dk;
+      const float *vb = v + bi * S * vstride + kvi * Dv;
       for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < Dh; ++d) kt[d * S + j] = kb[j * kstride + d];
+        for (int64_t d = 0; d < Dk; ++d) kt[d * S + j] = kb[j * kstride + d];
       for (int64_t i = 0; i < S; ++i) {
-        const float *qi = q + (bi * S + i) * qstride + hi * Dh;
-        float *oi = o + (bi * S + i) * qstride + hi * Dh;
+        const float *qi = q + (bi * S + i) * qstride + hi * Dk;
+        float *oi = o + (bi * S + i) * ostride + hi * Dv;
+        // the scale goes on the query (Dk products, not one per key)
+        for (int64_t d = 0; d < Dk; ++d) qs[d] = qi[d] * a.scale;
         const int64_t j0 = first_key(sg, i), n = i + 1;
-        row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
+        row_scores(qs.data(), kt.data(), p.data(), j0, n, S, Dk);
         float m = -INFINITY;
         for (int64_t j = j0; j < n; ++j)
           if (sg[j] == sg[i]) m = std::max(m, p[j]);
@@ -238,13 +244,13 @@ MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
           l += e;
         }
         const float inv = 1.f / l;
-        std::fill(oi, oi + Dh, 0.f);
+        std::fill(oi, oi + Dv, 0.f);
         for (int64_t j = j0; j < n; ++j) {
           const float pj = p[j] * inv;
           if (pj == 0.f) continue;
-          const float *vj = vb + j * kstride;
+          const float *vj = vb + j * vstride;
 #pragma omp simd
-          for (int64_t d = 0; d < Dh; ++d) oi[d] += pj * vj[d];
+          for (int64_t d = 0; d < Dv; ++d) oi[d] += pj * vj[d];
         }
         lse[(bi * a.h + hi) * S + i] = m + std::log(l);
       }
@@ -255,75 +261,90 @@ MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
 MINDLOOM_SIMD void attn_bwd_impl(const float *q, const float *k, const float *v,
                                  const int32_t *seg, const float *o, const float *lse,
                                  const float *dout, float *dq, float *dk, float *dv, AttnDims a) {
-  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
-  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+  const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv;
+  const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
+  const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
 #pragma omp parallel
   {
-    std::vector<float> kt(static_cast<size_t>(Dh * S)), vt(static_cast<size_t>(Dh * S));
+    std::vector<float> kt(static_cast<size_t>(Dk * S)), vt(static_cast<size_t>(Dv * S));
     std::vector<float> p(static_cast<size_t>(S)), dp(static_cast<size_t>(S));
-    std::vector<float> dkb(static_cast<size_t>(S * Dh)), dvb(static_cast<size_t>(S * Dh));
+    std::vector<float> dkb(static_cast<size_t>(S * Dk)), dvb(static_cast<size_t>(S * Dv));
+    std::vector<float> qs(static_cast<size_t>(Dk));
     // one task per (batch, kv head): it owns that head's dk and dv rows
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.b * a.kv; ++task) {
       const int64_t bi = task / a.kv, kvi = task % a.kv;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
-      const float *kb = k + bi * S * kstride + kvi * Dh;
-      const float *vb = v + bi * S * kstride + kvi * Dh;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < Dh; ++d) {
-          kt[d * S + j] = kb[j * kstride + d];
-          vt[d * S + j] = vb[j * kstride + d];
-        }
+      const float *kb = k + bi * S * kstride + kvi * Dk;
+      const float *vb = v + bi * S * vstride + kvi * Dv;
+      for (int64_t j = 0; j < S; ++j) {
+        for (int64_t d = 0; d < Dk; ++d) kt[d * S + j] = kb[j * kstride + d];
+        for (int64_t d = 0; d < Dv; ++d) vt[d * S + j] = vb[j * vstride + d];
+      }
       std::fill(dkb.begin(), dkb.end(), 0.f);
       std::fill(dvb.begin(), dvb.end(), 0.f);
       for (int64_t hi = kvi * rep; hi < (kvi + 1) * rep; ++hi) {
         for (int64_t i = 0; i < S; ++i) {
-          const int64_t row = (bi * S + i) * qstride + hi * Dh;
-          const float *qi = q + row, *oi = o + row, *gi = dout + row;
-          float *dqi = dq + row;
+          const int64_t qrow = (bi * S + i) * qstride + hi * Dk;
+          const int64_t orow = (bi * S + i) * ostride + hi * Dv;
+          const float *qi = q + qrow, *oi = o + orow, *gi = dout + orow;
+          float *dqi = dq + qrow;
+          for (int64_t d = 0; d < Dk; ++d) qs[d] = qi[d] * a.scale;
           const int64_t j0 = first_key(sg, i), n = i + 1;
           const float l = lse[(bi * a.h + hi) * S + i];
-          row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
-          row_scores(gi, vt.data(), dp.data(), j0, n, S, Dh);
+          row_scores(qs.data(), kt.data(), p.data(), j0, n, S, Dk);
+          row_scores(gi, vt.data(), dp.data(), j0, n, S, Dv);
           float di = 0.f;
 #pragma omp simd reduction(+ : di)
-          for (int64_t d = 0; d < Dh; ++d) di += gi[d] * oi[d];
-          std::fill(dqi, dqi + Dh, 0.f);
+          for (int64_t d = 0; d < Dv; ++d) di += gi[d] * oi[d];
+          std::fill(dqi, dqi + Dk, 0.f);
           for (int64_t j = j0; j < n; ++j) {
             if (sg[j] != sg[i]) continue;
             const float pj = std::exp(p[j] - l);
-            const float ds = pj * (dp[j] - di);
+            const float ds = pj * (dp[j] - di);  // d loss / d score_ij
             const float *kj = kb + j * kstride;
-            float *dkj = dkb.data() + j * Dh;
-            float *dvj = dvb.data() + j * Dh;
+            float *dkj = dkb.data() + j * Dk;
+            float *dvj = dvb.data() + j * Dv;
+            // score = scale q . k: dk gets ds * (scale q), dq gets ds * k (scaled below)
 #pragma omp simd
-            for (int64_t d = 0; d < Dh; ++d) {
+            for (int64_t d = 0; d < Dk; ++d) {
               dqi[d] += ds * kj[d];
-              dkj[d] += ds * qi[d];
-              dvj[d] += pj * gi[d];
+              dkj[d] += ds * qs[d];
             }
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) dvj[d] += pj * gi[d];
           }
+          if (a.scale != 1.f)
+            for (int64_t d = 0; d < Dk; ++d) dqi[d] *= a.scale;
         }
       }
       for (int64_t j = 0; j < S; ++j) {
-        std::memcpy(dk + bi * S * kstride + j * kstride + kvi * Dh, dkb.data() + j * Dh,
-                    sizeof(float) * Dh);
-        std::memcpy(dv + bi * S * kstride + j * kstride + kvi * Dh, dvb.data() + j * Dh,
-                    sizeof(float) * Dh);
+        std::memcpy(dk + bi * S * kstride + j * kstride + kvi * Dk, dkb.data() + j * Dk,
+                    sizeof(float) * Dk);
+        std::memcpy(dv + bi * S * vstride + j * vstride + kvi * Dv, dvb.data() + j * Dv,
+                    sizeof(float) * Dv);
       }
     }
   }
 }
 
-bool attn_dims(int nparam, int *ndims, int64_t **shapes, AttnDims *a) {
-  if (nparam < 4 || ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2) return false;
+// q, k, v, seg, scale: the inputs every attention entry point starts with
+bool attn_dims(int nparam, void **params, int *ndims, int64_t **shapes, AttnDims *a) {
+  if (nparam < 5 || ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2)
+    return false;
   a->b = shapes[0][0];
   a->s = shapes[0][1];
   a->h = shapes[0][2];
-  a->dh = shapes[0][3];
+  a->dk = shapes[0][3];
   a->kv = shapes[1][2];
+  a->dv = shapes[2][3];
   a->seg_b = shapes[3][0];
-  if (a->kv <= 0 || a->h % a->kv || shapes[1][1] != a->s || shapes[1][3] != a->dh) return false;
+  if (numel(ndims[4], shapes[4]) != 1) return false;
+  a->scale = static_cast<float *>(params[4])[0];
+  if (a->kv <= 0 || a->h % a->kv || shapes[1][0] != a->b || shapes[1][1] != a->s ||
+      shapes[1][3] != a->dk)
+    return false;
+  if (shapes[2][0] != a->b || shapes[2][1] != a->s || shapes[2][2] != a->kv) return false;
   return shapes[3][1] == a->s && (a->seg_b == 1 || a->seg_b == a->b);
 }
 
@@ -390,26 +411,27 @@ EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shap
   return 0;
 }
 
-// q [B, S, H, Dh], k, v [B, S, KV, Dh], seg [B|1, S] -> o [B, S, H, Dh], lse [B, H, S]
+// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
+//   -> o [B, S, H, Dv], lse [B, H, S]
 EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
   AttnDims a;
-  if (nparam != 6 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  if (nparam != 7 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   attn_fwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
                 static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[4]), static_cast<float *>(params[5]), a);
+                static_cast<float *>(params[5]), static_cast<float *>(params[6]), a);
   return 0;
 }
 
-// q, k, v, seg, o, lse, do -> dq, dk, dv
+// q, k, v, seg, scale, o, lse, do -> dq, dk, dv
 EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
   AttnDims a;
-  if (nparam != 10 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  if (nparam != 11 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   attn_bwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
                 static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[4]), static_cast<float *>(params[5]),
-                static_cast<float *>(params[6]), static_cast<float *>(params[7]),
-                static_cast<float *>(params[8]), static_cast<float *>(params[9]), a);
+                static_cast<float *>(params[5]), static_cast<float *>(params[6]),
+                static_cast<float *>(params[7]), static_cast<float *>(params[8]),
+                static_cast<float *>(params[9]), static_cast<float *>(params[10]), a);
   return 0;
 }
