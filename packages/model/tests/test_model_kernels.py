@@ -329,11 +329,12 @@ class _DeepseekStep(nn.Cell):
         return ops.depend(ops.stack((loss, main, mtp)), self.opt(g))
 
 
-def deepseek_losses(kernels: str, steps: int = 4):
+def deepseek_losses(kernels: str, steps: int = 3):
     from mindloom_model import DeepseekV3, DeepseekV3WithLoss
     from mindloom_model._deepseek_moe import Experts
 
-    cfg = get_preset("deepseek-v3-debug", kernels=kernels)  # 3 layers (1 dense) + 1 MTP depth
+    # one dense layer, one MoE layer, one MTP depth (a MoE block): every kernel site
+    cfg = get_preset("deepseek-v3-debug", num_layers=2, kernels=kernels)
     model = DeepseekV3(cfg, seed=5)
     fused = kernels == "auto"
     # every site the kernels apply to, MLA's latent norms and the MTP norms included
