@@ -333,15 +333,17 @@ def deepseek_losses(kernels: str, steps: int = 3):
     from mindloom_model import DeepseekV3, DeepseekV3WithLoss
     from mindloom_model._deepseek_moe import Experts
 
-    # one dense layer, one MoE layer, one MTP depth (a MoE block): every kernel site
-    cfg = get_preset("deepseek-v3-debug", num_layers=2, kernels=kernels)
+    # one dense layer and one MTP depth (a MoE block): every kernel site, fewest ops
+    cfg = get_preset("deepseek-v3-debug", num_layers=1, kernels=kernels)
     model = DeepseekV3(cfg, seed=5)
     fused = kernels == "auto"
     # every site the kernels apply to, MLA's latent norms and the MTP norms included
-    sites = [model.loss_kernel, model.layers[0].mlp.kernel, model.layers[1].attn.kernel,
-             model.layers[1].attn.q_a_norm.kernel, model.layers[1].attn.kv_a_norm.kernel,
-             model.layers[1].mlp.shared.kernel, model.mtp[0].enorm.kernel,
-             model.mtp[0].block.attn.kernel]  # fmt: skip
+    mtp = model.mtp[0]
+    assert not model.layers[0].is_moe and mtp.block.is_moe
+    sites = [model.loss_kernel, model.layers[0].mlp.kernel, model.layers[0].attn.kernel,
+             model.layers[0].attn.q_a_norm.kernel, model.layers[0].attn.kv_a_norm.kernel,
+             mtp.block.mlp.shared.kernel, mtp.enorm.kernel, mtp.hnorm.kernel,
+             mtp.block.attn.kernel]  # fmt: skip
     sites += [c.kernel for _, c in model.cells_and_names() if isinstance(c, Experts)]
     assert all((x is not None) == fused for x in sites) and model.kernel_attention == fused
     opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=3e-3)
