@@ -171,6 +171,60 @@ def test_attention_forward_and_gradients(b, s, h, kv, dh, segments):
         np.testing.assert_allclose(mine.asnumpy(), theirs.grad.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def numpy_attention(q, k, v, seg, scale, g):
+    """float64 reference of (o, dq, dk, dv) for o = softmax(scale q k^T, masked) v with
+    dq/dk/dv the gradients of sum(o * g); q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV,
+    Dv], seg [B|1, S]: the dense masked softmax and its textbook backward."""
+    q, k, v, g = (np.asarray(a, np.float64).transpose(0, 2, 1, 3) for a in (q, k, v, g))
+    rep = q.shape[1] // k.shape[1]
+    kh, vh = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
+    s = q.shape[2]
+    allowed = (np.tril(np.ones((s, s), bool))[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
+    scores = np.where(allowed, scale * q @ kh.transpose(0, 1, 3, 2), -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)  # [B, H, S, S], 0 where masked
+    o = p @ vh
+    dp = g @ vh.transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    dq = scale * ds @ kh
+    dkh, dvh = scale * ds.transpose(0, 1, 3, 2) @ q, p.transpose(0, 1, 3, 2) @ g
+
+    def per_kv(x):  # the query heads that share a kv head add up
+        b, h, t, d = x.shape
+        return x.reshape(b, h // rep, rep, t, d).sum(2)
+
+    back = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    return back(o), back(dq), back(per_kv(dkh)), back(per_kv(dvh))
+
+
+@pytest.mark.parametrize(
+    "b,s,h,kv,dk,dv,scale,segments",
+    [
+        (2, 13, 4, 4, 24, 16, 0.23, True),  # MLA-like: dn+dr keys wider than the values
+        (3, 37, 4, 2, 12, 20, 0.61, True),  # values wider, grouped-query heads
+        (1, 5, 3, 3, 10, 6, 1.7, False),
+        (2, 1, 2, 1, 6, 3, 0.5, True),
+    ],
+)
+def test_attention_with_value_width_and_scale_against_numpy(b, s, h, kv, dk, dv, scale, segments):
+    # MLA's shape: query/key heads dk = qk_nope + qk_rope wide, value heads dv wide, and
+    # the model's softmax scale (YaRN mscale included) applied inside the kernel
+    q = rng.standard_normal((b, s, h, dk)).astype(np.float32)
+    k = rng.standard_normal((b, s, kv, dk)).astype(np.float32)
+    v = rng.standard_normal((b, s, kv, dv)).astype(np.float32)
+    seg = packed_segments(b, s) if segments else np.zeros((1, s), np.int32)
+    g = rng.standard_normal((b, s, h, dv)).astype(np.float32)
+    kern = K.KernelAttention(scale)
+    st, gt = Tensor(seg), Tensor(g)
+    o = kern(Tensor(q), Tensor(k), Tensor(v), st)[0].asnumpy()
+    ref_o, ref_dq, ref_dk, ref_dv = numpy_attention(q, k, v, seg, scale, g)
+    assert o.shape == (b, s, h, dv)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-4, atol=1e-5)
+    got = grads(lambda x, y, z: (kern(x, y, z, st)[0] * gt).sum(), (q, k, v), (0, 1, 2))
+    for name, mine, ref in zip(("dq", "dk", "dv"), got, (ref_dq, ref_dk, ref_dv)):
+        np.testing.assert_allclose(mine.asnumpy(), ref, rtol=1e-4, atol=2e-5, err_msg=name)
+
+
 # ----------------------------------------------------------------------------- whole model
 
 
@@ -247,3 +301,79 @@ def test_the_kernel_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
 def test_portable_config_is_validated():
     with pytest.raises(ValueError, match="kernels must be 'auto' or 'portable'"):
         get_preset("debug", kernels="fast")
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3
+
+
+class _LossParts(nn.Cell):
+    """DeepseekV3WithLoss's (total, main, MTP) losses; the total is differentiated."""
+
+    def __init__(self, net):
+        super().__init__(auto_prefix=False)
+        self.net = net
+
+    def construct(self, *args):
+        loss, main, mtp = self.net(*args)[:3]
+        return loss, main, mtp
+
+
+class _DeepseekStep(nn.Cell):
+    def __init__(self, net, opt):
+        super().__init__(auto_prefix=False)
+        self.opt = opt
+        self.grad = ops.value_and_grad(_LossParts(net), None, opt.parameters, has_aux=True)
+
+    def construct(self, *args):
+        (loss, main, mtp), g = self.grad(*args)
+        return ops.depend(ops.stack((loss, main, mtp)), self.opt(g))
+
+
+def deepseek_losses(kernels: str, steps: int = 3):
+    from mindloom_model import DeepseekV3, DeepseekV3WithLoss
+    from mindloom_model._deepseek_moe import Experts
+
+    # one dense layer and one MTP depth (a MoE block): every kernel site, fewest ops
+    cfg = get_preset("deepseek-v3-debug", num_layers=1, kernels=kernels)
+    model = DeepseekV3(cfg, seed=5)
+    fused = kernels == "auto"
+    # every site the kernels apply to, MLA's latent norms and the MTP norms included
+    mtp = model.mtp[0]
+    assert not model.layers[0].is_moe and mtp.block.is_moe
+    sites = [model.loss_kernel, model.layers[0].mlp.kernel, model.layers[0].attn.kernel,
+             model.layers[0].attn.q_a_norm.kernel, model.layers[0].attn.kv_a_norm.kernel,
+             mtp.block.mlp.shared.kernel, mtp.enorm.kernel, mtp.hnorm.kernel,
+             mtp.block.attn.kernel]  # fmt: skip
+    sites += [c.kernel for _, c in model.cells_and_names() if isinstance(c, Experts)]
+    assert all((x is not None) == fused for x in sites) and model.kernel_attention == fused
+    opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=3e-3)
+    step = _DeepseekStep(DeepseekV3WithLoss(model), opt)
+    tokens, seg, pos, mask = _packed_batch(cfg, b=2)
+    args = [Tensor(a) for a in (tokens[:, :-1], tokens[:, 1:], pos, seg, mask)]
+    return np.array([step(*args).asnumpy() for _ in range(steps)])
+
+
+def _packed_batch(cfg, b):
+    # one fixed batch of packed documents (positions restart), a partial loss mask
+    data = np.random.default_rng(13)
+    s = cfg.max_seq_len
+    tokens = data.integers(0, cfg.vocab_size, (b, s + 1)).astype(np.int32)
+    seg = np.repeat(np.arange(3, dtype=np.int32), [7, 2, s - 9])[None].repeat(b, 0)
+    seg[-1] = 0  # one row is a single document
+    pos = np.zeros((b, s), np.int32)
+    for i in range(b):
+        for j in range(1, s):
+            pos[i, j] = 0 if seg[i, j] != seg[i, j - 1] else pos[i, j - 1] + 1
+    return tokens, seg, pos, (data.random((b, s)) > 0.2).astype(np.float32)
+
+
+def test_deepseek_losses_with_kernels_equal_the_portable_path():
+    # compiled steps: the total, main and MTP losses of every step (so the gradients of
+    # every kernel, through AdamW, move the weights the same way)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        fused, portable = deepseek_losses("auto"), deepseek_losses("portable")
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert fused[-1, 0] < fused[0, 0] and fused[0, 2] > 0  # it learns; MTP is on
+    np.testing.assert_allclose(fused, portable, rtol=0, atol=1e-5)

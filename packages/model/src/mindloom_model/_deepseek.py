@@ -68,10 +68,11 @@ from mindloom_model._llama import (
     RMSNorm,
     _normal,
     attention_bias,
-    causal_lm_loss,
+    llama_loss,
     recompute_layer_ids,
     resolve_compute_dtype,
     rope_cos_sin,
+    use_cpu_kernels,
 )
 
 __all__ = [
@@ -206,6 +207,10 @@ class DeepseekV3(nn.Cell):
         self.head_matmul = ops.MatMul(transpose_b=True)
         self.n_moe = len(moe_ids)
         self.moe_index = [i for i in range(cfg.num_layers) if i in moe_ids]
+        self.kernel_attention = False
+        self.loss_kernel = None
+        if use_cpu_kernels(cfg, compute_dtype):
+            _install_kernels(self)
         for i in recompute_layer_ids(cfg):
             self.layers[i].recompute_parts()
 
@@ -215,14 +220,26 @@ class DeepseekV3(nn.Cell):
             cos, sin = cos * self.cos_factor, sin * self.cos_factor
         return cos, sin
 
+    def attention_inputs(self, position_ids, segment_ids=None):
+        """(cos, sin, bias) every layer takes: RoPE tables [B|1, 1, S, dr] and the additive
+        mask [B|1, 1, S, S]; with the fused attention kernel, RoPE tables [B|1, S, 1, dr]
+        and the segment ids [B|1, S] int32 instead (no S x S mask)."""
+        s = position_ids.shape[1]
+        cos, sin = self.rope(position_ids)
+        if self.kernel_attention:
+            cos, sin = cos.transpose(0, 2, 1, 3), sin.transpose(0, 2, 1, 3)
+            if segment_ids is None:
+                return cos, sin, ops.zeros((1, s), ms.int32)
+            return cos, sin, segment_ids.astype(ms.int32)
+        return cos, sin, attention_bias(s, segment_ids)
+
     def trunk(self, tokens, position_ids=None, segment_ids=None):
         """-> (h [B, S, D] after the last layer, before the final norm; cos; sin; bias;
         loads [n_moe, E]; dropped; aux)."""
         b, s = tokens.shape
         if position_ids is None:
             position_ids = self.positions[:, :s]
-        cos, sin = self.rope(position_ids)
-        bias = attention_bias(s, segment_ids)
+        cos, sin, bias = self.attention_inputs(position_ids, segment_ids)
         x = self.embed(tokens)
         if self.embed_dropout is not None:
             x = self.embed_dropout(x)
@@ -251,6 +268,25 @@ class DeepseekV3(nn.Cell):
     head = Llama.head
 
 
+def _install_kernels(model: DeepseekV3) -> None:
+    """The fused CPU kernels (see use_cpu_kernels): every RMSNorm (MLA's latent norms and
+    the MTP norms included), the SwiGLU of dense layers, shared and routed experts, the
+    cross-entropy of the main and MTP losses, and MLA's attention (dn+dr wide keys, dv
+    wide values, the model's softmax scale) unless dropout is on."""
+    from mindloom_model import _kernels
+    from mindloom_model._deepseek_moe import Experts
+
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, RMSNorm):
+            cell.kernel = _kernels.KernelRMSNorm()
+        elif isinstance(cell, (MLP, Experts)):
+            cell.kernel = _kernels.KernelSwiGLU()
+        elif isinstance(cell, MLAttention) and model.config.dropout == 0:
+            cell.kernel = _kernels.KernelAttention(cell.scale)
+            model.kernel_attention = True
+    model.loss_kernel = _kernels.KernelCrossEntropy()
+
+
 def _shift_left(x, j: int, fill):
     # x [B, S] -> x[:, j:] padded with `fill` on the right (static shapes for the graph)
     if j == 0:
@@ -277,7 +313,8 @@ class DeepseekV3WithLoss(nn.Cell):
     def construct(self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None):
         m = self.model
         h, cos, sin, bias, loads, dropped, aux = m.trunk(tokens, position_ids, segment_ids)
-        main = causal_lm_loss(m.head(m.norm(h)), labels, loss_mask)
+        # the fused cross-entropy kernel when the model has one (llama_loss picks)
+        main = llama_loss(m, m.head(m.norm(h)), labels, loss_mask)
         mask = (
             ops.ones(labels.shape, ms.float32)
             if loss_mask is None
@@ -297,7 +334,7 @@ class DeepseekV3WithLoss(nn.Cell):
             all_loads.append(load.expand_dims(0))
             dropped = dropped + drop
             aux = aux + a
-            mtp_total = mtp_total + causal_lm_loss(m.head(mod.norm(hj)), nxt_labels, valid)
+            mtp_total = mtp_total + llama_loss(m, m.head(mod.norm(hj)), nxt_labels, valid)
             prev = mod.norm(hj)
         mtp = mtp_total / max(self.depths, 1)
         loss = main + self.mtp_weight * mtp + aux

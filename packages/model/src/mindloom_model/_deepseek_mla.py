@@ -134,6 +134,7 @@ class MLAttention(nn.Cell):
         _, _, score_factor = yarn_inv_freq(cfg)
         self.scale = qk**-0.5 * score_factor
         self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
+        self.kernel = None  # a _kernels.KernelAttention(self.scale), set by _install_kernels
 
     def query(self, x, cos, sin):
         # x [B, S, D] -> q [B, H, S, dn+dr], RoPE on its last dr
@@ -166,7 +167,34 @@ class MLAttention(nn.Cell):
         b, h, s, dv = o.shape
         return self.wo(o.transpose(0, 2, 1, 3).reshape(b, s, h * dv))
 
+    def fused(self, x, cos, sin, segment_ids):
+        """The fused CPU kernel's path: x [B, S, D], cos/sin [B|1, S, 1, dr], segment ids
+        [B|1, S] int32 -> [B, S, D]. Heads stay in the projections' [B, S, H, .] layout;
+        no [S, S] mask or scores exist; the kernel takes dn+dr wide keys and dv wide
+        values, and applies the softmax scale (YaRN's mscale included) itself."""
+        b, s, _ = x.shape
+        h, dn, dr = self.n_heads, self.dn, self.dr
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.reshape(b, s, h, dn + dr)
+        q = ops.concat(
+            (q[..., :dn], _rope_pairs(q[..., dn:], cos, sin, self.rope_a, self.rope_b)), -1
+        )
+        ckv = self.kv_a_proj(x)  # [B, S, r + dr]
+        c = self.kv_a_norm(ckv[..., : self.r])
+        k_rope = _rope_pairs(
+            ckv[..., self.r :].reshape(b, s, 1, dr), cos, sin, self.rope_a, self.rope_b
+        )
+        kv = self.kv_b_proj(c).reshape(b, s, h, dn + self.dv)
+        k = ops.concat((kv[..., :dn], k_rope.broadcast_to((b, s, h, dr))), -1)  # [B, S, H, dn+dr]
+        o = self.kernel(q, k, kv[..., dn:], segment_ids)[0]  # [B, S, H, dv]
+        return self.wo(o.reshape(b, s, h * self.dv))
+
     def construct(self, x, cos, sin, bias):
+        # bias: the additive mask [B|1, 1, S, S], or the segment ids [B|1, S] when the
+        # model runs the fused kernel (DeepseekV3.attention_inputs); a caller that passes
+        # a mask (MaxLogits statistics) gets the portable path either way
+        if self.kernel is not None and bias.ndim == 2:
+            return self.fused(x, cos, sin, bias)
         q = self.query(x, cos, sin)
         k, v = self.expand(*self.latent(x, cos, sin))
         return self.attend(q, k, v, bias)

@@ -143,6 +143,7 @@ class Experts(nn.Cell):
         self.compute_dtype = compute_dtype
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.rows = _RowsByOneHot()
+        self.kernel = None  # a _kernels.KernelSwiGLU, set by the model's _install_kernels
 
     # how block b gets expert owner[b]'s weights: "matmul" (a one-hot [nb, E] product, its
     # backward a matmul) or "gather" (ops.gather, its backward a scatter-add); measured in
@@ -166,7 +167,10 @@ class Experts(nn.Cell):
             w1 = ops.gather(self.w1, ids, 0).astype(cd)  # [nb, Fm, D]
             w3 = ops.gather(self.w3, ids, 0).astype(cd)
             w2 = ops.gather(self.w2, ids, 0).astype(cd)  # [nb, D, Fm]
-        hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)  # [., T, Fm]
+        if self.kernel is not None:
+            hid = self.kernel(self.bmm_t(xs, w1), self.bmm_t(xs, w3))  # [., T, Fm]
+        else:
+            hid = ops.silu(self.bmm_t(xs, w1)) * self.bmm_t(xs, w3)
         return self.bmm_t(hid, w2)
 
 

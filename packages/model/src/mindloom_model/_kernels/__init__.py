@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 import mindspore as ms
-from mindspore import nn, ops
+import numpy as np
+from mindspore import Tensor, nn, ops
 
 log = logging.getLogger("mindloom_model")
 
@@ -170,28 +171,32 @@ class KernelCrossEntropy(nn.Cell):
 class KernelAttention(nn.Cell):
     """Causal attention within documents, never holding an S x S matrix.
 
-    q [B, S, H, Dh] fp32 already multiplied by the softmax scale, k/v [B, S, KV, Dh],
-    segment_ids [B|1, S] int32 -> (o [B, S, H, Dh], lse [B, H, S]). Query i sees key j iff j <= i and both
-    are in the same document; query head h reads kv head h // (H / KV).
+    q [B, S, H, Dk] fp32, k [B, S, KV, Dk], v [B, S, KV, Dv] (Dv may differ from Dk, as
+    in MLA), segment_ids [B|1, S] int32 -> (o [B, S, H, Dv], lse [B, H, S]); the scores
+    are `scale` * q . k (Llama passes q already scaled and keeps scale 1). Query i sees
+    key j iff j <= i and both are in the same document; query head h reads kv head
+    h // (H / KV).
     """
 
-    def __init__(self):
+    def __init__(self, scale: float = 1.0):
         super().__init__()
+        self.scale = float(scale)  # a cell attribute: the compile cache's key sees it
+        self.scale_t = Tensor(np.array([scale], np.float32))
         self.fwd = _op(
             "attn_fwd",
-            lambda q, k, v, s: (q, [q[0], q[2], q[1]]),
-            lambda q, k, v, s: (_f32, _f32),
+            lambda q, k, v, s, c: (q[:3] + [v[3]], [q[0], q[2], q[1]]),
+            lambda q, k, v, s, c: (_f32, _f32),
         )
         self.bwd = _op(
             "attn_bwd",
-            lambda q, k, v, s, o, lse, g: (q, k, v),
-            lambda q, k, v, s, o, lse, g: (_f32, _f32, _f32),
+            lambda q, k, v, s, c, o, lse, g: (q, k, v),
+            lambda q, k, v, s, c, o, lse, g: (_f32, _f32, _f32),
         )
 
     def construct(self, q, k, v, segment_ids):
         # (o, lse): the row log-sum-exp reaches bprop through `out`; callers use [0]
-        return self.fwd(q, k, v, segment_ids)
+        return self.fwd(q, k, v, segment_ids, self.scale_t)
 
     def bprop(self, q, k, v, segment_ids, out, dout):
-        dq, dk, dv = self.bwd(q, k, v, segment_ids, out[0], out[1], dout[0])
+        dq, dk, dv = self.bwd(q, k, v, segment_ids, self.scale_t, out[0], out[1], dout[0])
         return dq, dk, dv, ops.zeros_like(segment_ids)

@@ -179,25 +179,84 @@ MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const floa
 
 // ------------------------------------------------------------------------ attention
 //
-// q [B, S, H, Dh] (already multiplied by the softmax scale), k/v [B, S, KV, Dh],
-// seg [B or 1, S] int32. Query i sees key j iff j <= i and seg[i] == seg[j]. Query head h
-// reads kv head h / (H / KV). Each (batch, head) is one task: its keys are copied
-// transposed ([Dh, S]) so that a query's scores against all keys are Dh axpy's over the
-// key axis (no horizontal sums), and only one row of S scores exists at a time.
+// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv] (Dv may differ from Dk: MLA's
+// value heads are narrower than its nope + rope query-key heads), seg [B or 1, S] int32,
+// scale [1]: score = scale * q . k. Query i sees key j iff j <= i and seg[i] == seg[j].
+// Query head h reads kv head h / (H / KV). Each (batch, head) is one task (the backward:
+// each (batch, kv head)); its keys and values are copied transposed ([D, Sp], Sp = S
+// rounded up to a tile, zero padded) and the queries go RB = 4 rows at a time: a query
+// block's scores are a register tile of RB x JT (one load of a key column feeds RB
+// multiply-adds), the probabilities times the values are RB dot products per value
+// column, the key/value gradients RB-row updates of the transposed accumulators. Only
+// RB rows of S scores exist at a time, in either direction.
+
+constexpr int RB = 4;    // query rows per block
+constexpr int JT = 16;   // key columns per register tile
 
 struct AttnDims {
-  int64_t b, s, h, kv, dh, seg_b;
+  int64_t b, s, h, kv, dk, dv, seg_b;
+  float scale;
 };
 
-// scores[j] = q . k_j for j in [j0, n), from kt [Dh, S]
-MINDLOOM_SIMD void row_scores(const float *q, const float *kt, float *scores, int64_t j0,
-                              int64_t n, int64_t s, int64_t dh) {
-  std::fill(scores + j0, scores + n, 0.f);
-  for (int64_t d = 0; d < dh; ++d) {
-    const float qd = q[d];
-    const float *kr = kt + d * s;
+int64_t padded(int64_t s) { return (s + JT - 1) / JT * JT; }
+
+// out[r][j] = sum_k a[r][k] t[k][j] for j in the tiles covering [j0, j1); a [RB, d], t [d, sp]
+MINDLOOM_SIMD void tile_scores(const float *a, const float *t, float *out, int64_t j0,
+                               int64_t j1, int64_t sp, int64_t d) {
+  for (int64_t jc = j0 / JT * JT; jc < j1; jc += JT) {
+    float acc0[JT] = {}, acc1[JT] = {}, acc2[JT] = {}, acc3[JT] = {};
+    for (int64_t k = 0; k < d; ++k) {
+      const float *tk = t + k * sp + jc;
+      const float a0 = a[k], a1 = a[d + k], a2 = a[2 * d + k], a3 = a[3 * d + k];
 #pragma omp simd
-    for (int64_t j = j0; j < n; ++j) scores[j] += qd * kr[j];
+      for (int jj = 0; jj < JT; ++jj) {
+        const float tv = tk[jj];
+        acc0[jj] += a0 * tv;
+        acc1[jj] += a1 * tv;
+        acc2[jj] += a2 * tv;
+        acc3[jj] += a3 * tv;
+      }
+    }
+    for (int jj = 0; jj < JT; ++jj) {
+      out[jc + jj] = acc0[jj];
+      out[sp + jc + jj] = acc1[jj];
+      out[2 * sp + jc + jj] = acc2[jj];
+      out[3 * sp + jc + jj] = acc3[jj];
+    }
+  }
+}
+
+// out[r][k] = mult * sum_{j in [j0, j1)} w[r][j] t[k][j]; w [RB, sp], t [d, sp], out [RB, d]
+MINDLOOM_SIMD void tile_dots(const float *w, const float *t, float *out, int64_t j0, int64_t j1,
+                             int64_t sp, int64_t d, float mult) {
+  const float *w0 = w, *w1 = w + sp, *w2 = w + 2 * sp, *w3 = w + 3 * sp;
+  for (int64_t k = 0; k < d; ++k) {
+    const float *tk = t + k * sp;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t j = j0; j < j1; ++j) {
+      const float tv = tk[j];
+      s0 += w0[j] * tv;
+      s1 += w1[j] * tv;
+      s2 += w2[j] * tv;
+      s3 += w3[j] * tv;
+    }
+    out[k] = s0 * mult;
+    out[d + k] = s1 * mult;
+    out[2 * d + k] = s2 * mult;
+    out[3 * d + k] = s3 * mult;
+  }
+}
+
+// t[k][j] += sum_r a[r][k] w[r][j] for j in [j0, j1); a [RB, d], w [RB, sp], t [d, sp]
+MINDLOOM_SIMD void tile_update(const float *a, const float *w, float *t, int64_t j0, int64_t j1,
+                               int64_t sp, int64_t d) {
+  const float *w0 = w, *w1 = w + sp, *w2 = w + 2 * sp, *w3 = w + 3 * sp;
+  for (int64_t k = 0; k < d; ++k) {
+    float *tk = t + k * sp;
+    const float a0 = a[k], a1 = a[d + k], a2 = a[2 * d + k], a3 = a[3 * d + k];
+#pragma omp simd
+    for (int64_t j = j0; j < j1; ++j) tk[j] += a0 * w0[j] + a1 * w1[j] + a2 * w2[j] + a3 * w3[j];
   }
 }
 
@@ -208,45 +267,90 @@ int64_t first_key(const int32_t *sg, int64_t i) {
   return j;
 }
 
+// copy x's rows [S, stride] at column offset `off` (width d) into xt [d, sp], transposed
+void transpose_in(const float *x, int64_t stride, int64_t s, int64_t d, int64_t sp, float *xt) {
+  std::fill(xt, xt + d * sp, 0.f);
+  for (int64_t j = 0; j < s; ++j)
+    for (int64_t k = 0; k < d; ++k) xt[k * sp + j] = x[j * stride + k];
+}
+
+// the rows of query block i0 (nr <= RB of them): the key range [j0, j1) any of them sees
+void block_range(const int32_t *sg, int64_t i0, int64_t nr, int64_t *j0, int64_t *j1) {
+  int64_t lo = i0;
+  for (int64_t r = 0; r < nr; ++r) lo = std::min(lo, first_key(sg, i0 + r));
+  *j0 = lo;
+  *j1 = i0 + nr;
+}
+
+// p[r][j] <- allowed(r, j) ? exp(p[r][j] - sub[r]) : 0 over [j0, j1); rows nr..RB-1 zeroed
+MINDLOOM_SIMD void masked_exp(float *p, const float *sub, const int32_t *sg, int64_t i0,
+                              int64_t nr, int64_t j0, int64_t j1, int64_t sp) {
+  for (int64_t r = 0; r < RB; ++r) {
+    float *pr = p + r * sp;
+    if (r >= nr) {
+      std::fill(pr + j0, pr + j1, 0.f);
+      continue;
+    }
+    const int64_t i = i0 + r;
+    const int32_t si = sg[i];
+    const float m = sub[r];
+#pragma omp simd
+    for (int64_t j = j0; j < j1; ++j) {
+      const bool ok = j <= i && sg[j] == si;
+      pr[j] = ok ? vexp(pr[j] - m) : 0.f;
+    }
+  }
+}
+
 MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
                                  const int32_t *seg, float *o, float *lse, AttnDims a) {
-  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
-  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+  const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv, Sp = padded(a.s);
+  const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
+  const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
 #pragma omp parallel
   {
-    std::vector<float> kt(static_cast<size_t>(Dh * S)), p(static_cast<size_t>(S));
+    std::vector<float> kt(static_cast<size_t>(Dk * Sp)), vt(static_cast<size_t>(Dv * Sp));
+    std::vector<float> p(static_cast<size_t>(RB * Sp)), qs(static_cast<size_t>(RB * Dk));
+    std::vector<float> ob(static_cast<size_t>(RB * Dv));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.b * a.h; ++task) {
       const int64_t bi = task / a.h, hi = task % a.h, kvi = hi / rep;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
-      const float *kb = k + bi * S * kstride + kvi * Dh;
-      const float *vb = v + bi * S * kstride + kvi * Dh;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < Dh; ++d) kt[d * S + j] = kb[j * kstride + d];
-      for (int64_t i = 0; i < S; ++i) {
-        const float *qi = q + (bi * S + i) * qstride + hi * Dh;
-        float *oi = o + (bi * S + i) * qstride + hi * Dh;
-        const int64_t j0 = first_key(sg, i), n = i + 1;
-        row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
-        float m = -INFINITY;
-        for (int64_t j = j0; j < n; ++j)
-          if (sg[j] == sg[i]) m = std::max(m, p[j]);
-        float l = 0.f;
-        for (int64_t j = j0; j < n; ++j) {
-          const float e = sg[j] == sg[i] ? std::exp(p[j] - m) : 0.f;
-          p[j] = e;
-          l += e;
+      transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data());
+      transpose_in(v + bi * S * vstride + kvi * Dv, vstride, S, Dv, Sp, vt.data());
+      for (int64_t i0 = 0; i0 < S; i0 += RB) {
+        const int64_t nr = std::min<int64_t>(RB, S - i0);
+        // the scale goes on the queries (Dk products per row, not one per key)
+        for (int64_t r = 0; r < RB; ++r)
+          for (int64_t d = 0; d < Dk; ++d)
+            qs[r * Dk + d] = r < nr ? q[(bi * S + i0 + r) * qstride + hi * Dk + d] * a.scale : 0.f;
+        int64_t j0, j1;
+        block_range(sg, i0, nr, &j0, &j1);
+        tile_scores(qs.data(), kt.data(), p.data(), j0, j1, Sp, Dk);
+        float m[RB], inv[RB];
+        for (int64_t r = 0; r < RB; ++r) {
+          m[r] = 0.f;
+          if (r >= nr) continue;
+          const int64_t i = i0 + r;
+          float mx = -INFINITY;
+          for (int64_t j = j0; j <= i; ++j)
+            if (sg[j] == sg[i]) mx = std::max(mx, p[r * Sp + j]);
+          m[r] = mx;
         }
-        const float inv = 1.f / l;
-        std::fill(oi, oi + Dh, 0.f);
-        for (int64_t j = j0; j < n; ++j) {
-          const float pj = p[j] * inv;
-          if (pj == 0.f) continue;
-          const float *vj = vb + j * kstride;
-#pragma omp simd
-          for (int64_t d = 0; d < Dh; ++d) oi[d] += pj * vj[d];
+        masked_exp(p.data(), m, sg, i0, nr, j0, j1, Sp);
+        for (int64_t r = 0; r < nr; ++r) {
+          const float *pr = p.data() + r * Sp;
+          float l = 0.f;
+#pragma omp simd reduction(+ : l)
+          for (int64_t j = j0; j < j1; ++j) l += pr[j];
+          inv[r] = 1.f / l;
+          lse[(bi * a.h + hi) * S + i0 + r] = m[r] + std::log(l);
         }
-        lse[(bi * a.h + hi) * S + i] = m + std::log(l);
+        tile_dots(p.data(), vt.data(), ob.data(), j0, j1, Sp, Dv, 1.f);
+        for (int64_t r = 0; r < nr; ++r) {
+          float *oi = o + (bi * S + i0 + r) * ostride + hi * Dv;
+          for (int64_t d = 0; d < Dv; ++d) oi[d] = ob[r * Dv + d] * inv[r];
+        }
       }
     }
   }
@@ -255,75 +359,90 @@ MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
 MINDLOOM_SIMD void attn_bwd_impl(const float *q, const float *k, const float *v,
                                  const int32_t *seg, const float *o, const float *lse,
                                  const float *dout, float *dq, float *dk, float *dv, AttnDims a) {
-  const int64_t rep = a.h / a.kv, S = a.s, Dh = a.dh;
-  const int64_t qstride = a.h * Dh, kstride = a.kv * Dh;
+  const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv, Sp = padded(a.s);
+  const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
+  const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
 #pragma omp parallel
   {
-    std::vector<float> kt(static_cast<size_t>(Dh * S)), vt(static_cast<size_t>(Dh * S));
-    std::vector<float> p(static_cast<size_t>(S)), dp(static_cast<size_t>(S));
-    std::vector<float> dkb(static_cast<size_t>(S * Dh)), dvb(static_cast<size_t>(S * Dh));
+    std::vector<float> kt(static_cast<size_t>(Dk * Sp)), vt(static_cast<size_t>(Dv * Sp));
+    std::vector<float> dkt(static_cast<size_t>(Dk * Sp)), dvt(static_cast<size_t>(Dv * Sp));
+    std::vector<float> p(static_cast<size_t>(RB * Sp)), dp(static_cast<size_t>(RB * Sp));
+    std::vector<float> qs(static_cast<size_t>(RB * Dk)), gb(static_cast<size_t>(RB * Dv));
+    std::vector<float> dqb(static_cast<size_t>(RB * Dk));
     // one task per (batch, kv head): it owns that head's dk and dv rows
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < a.b * a.kv; ++task) {
       const int64_t bi = task / a.kv, kvi = task % a.kv;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
-      const float *kb = k + bi * S * kstride + kvi * Dh;
-      const float *vb = v + bi * S * kstride + kvi * Dh;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < Dh; ++d) {
-          kt[d * S + j] = kb[j * kstride + d];
-          vt[d * S + j] = vb[j * kstride + d];
-        }
-      std::fill(dkb.begin(), dkb.end(), 0.f);
-      std::fill(dvb.begin(), dvb.end(), 0.f);
+      transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data());
+      transpose_in(v + bi * S * vstride + kvi * Dv, vstride, S, Dv, Sp, vt.data());
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
       for (int64_t hi = kvi * rep; hi < (kvi + 1) * rep; ++hi) {
-        for (int64_t i = 0; i < S; ++i) {
-          const int64_t row = (bi * S + i) * qstride + hi * Dh;
-          const float *qi = q + row, *oi = o + row, *gi = dout + row;
-          float *dqi = dq + row;
-          const int64_t j0 = first_key(sg, i), n = i + 1;
-          const float l = lse[(bi * a.h + hi) * S + i];
-          row_scores(qi, kt.data(), p.data(), j0, n, S, Dh);
-          row_scores(gi, vt.data(), dp.data(), j0, n, S, Dh);
-          float di = 0.f;
-#pragma omp simd reduction(+ : di)
-          for (int64_t d = 0; d < Dh; ++d) di += gi[d] * oi[d];
-          std::fill(dqi, dqi + Dh, 0.f);
-          for (int64_t j = j0; j < n; ++j) {
-            if (sg[j] != sg[i]) continue;
-            const float pj = std::exp(p[j] - l);
-            const float ds = pj * (dp[j] - di);
-            const float *kj = kb + j * kstride;
-            float *dkj = dkb.data() + j * Dh;
-            float *dvj = dvb.data() + j * Dh;
-#pragma omp simd
-            for (int64_t d = 0; d < Dh; ++d) {
-              dqi[d] += ds * kj[d];
-              dkj[d] += ds * qi[d];
-              dvj[d] += pj * gi[d];
+        for (int64_t i0 = 0; i0 < S; i0 += RB) {
+          const int64_t nr = std::min<int64_t>(RB, S - i0);
+          float l[RB], di[RB];
+          for (int64_t r = 0; r < RB; ++r) {
+            const bool in = r < nr;
+            const int64_t qrow = (bi * S + i0 + r) * qstride + hi * Dk;
+            const int64_t orow = (bi * S + i0 + r) * ostride + hi * Dv;
+            for (int64_t d = 0; d < Dk; ++d) qs[r * Dk + d] = in ? q[qrow + d] * a.scale : 0.f;
+            float s = 0.f;
+            for (int64_t d = 0; d < Dv; ++d) {
+              gb[r * Dv + d] = in ? dout[orow + d] : 0.f;
+              s += in ? dout[orow + d] * o[orow + d] : 0.f;
             }
+            di[r] = s;  // sum_j p_ij dp_ij = do_i . o_i
+            l[r] = in ? lse[(bi * a.h + hi) * S + i0 + r] : 0.f;
           }
+          int64_t j0, j1;
+          block_range(sg, i0, nr, &j0, &j1);
+          tile_scores(qs.data(), kt.data(), p.data(), j0, j1, Sp, Dk);
+          masked_exp(p.data(), l, sg, i0, nr, j0, j1, Sp);  // the probabilities again
+          tile_scores(gb.data(), vt.data(), dp.data(), j0, j1, Sp, Dv);  // do_i . v_j
+          for (int64_t r = 0; r < RB; ++r) {
+            const float *pr = p.data() + r * Sp;
+            float *dr = dp.data() + r * Sp;
+            const float dr0 = di[r];
+#pragma omp simd
+            for (int64_t j = j0; j < j1; ++j) dr[j] = pr[j] * (dr[j] - dr0);  // d score
+          }
+          // score = scale q . k: dq = scale * ds k, dk += ds (scale q), dv += p do
+          tile_dots(dp.data(), kt.data(), dqb.data(), j0, j1, Sp, Dk, a.scale);
+          tile_update(qs.data(), dp.data(), dkt.data(), j0, j1, Sp, Dk);
+          tile_update(gb.data(), p.data(), dvt.data(), j0, j1, Sp, Dv);
+          for (int64_t r = 0; r < nr; ++r)
+            std::memcpy(dq + (bi * S + i0 + r) * qstride + hi * Dk, dqb.data() + r * Dk,
+                        sizeof(float) * Dk);
         }
       }
       for (int64_t j = 0; j < S; ++j) {
-        std::memcpy(dk + bi * S * kstride + j * kstride + kvi * Dh, dkb.data() + j * Dh,
-                    sizeof(float) * Dh);
-        std::memcpy(dv + bi * S * kstride + j * kstride + kvi * Dh, dvb.data() + j * Dh,
-                    sizeof(float) * Dh);
+        float *dkj = dk + bi * S * kstride + j * kstride + kvi * Dk;
+        float *dvj = dv + bi * S * vstride + j * vstride + kvi * Dv;
+        for (int64_t d = 0; d < Dk; ++d) dkj[d] = dkt[d * Sp + j];
+        for (int64_t d = 0; d < Dv; ++d) dvj[d] = dvt[d * Sp + j];
       }
     }
   }
 }
 
-bool attn_dims(int nparam, int *ndims, int64_t **shapes, AttnDims *a) {
-  if (nparam < 4 || ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2) return false;
+// q, k, v, seg, scale: the inputs every attention entry point starts with
+bool attn_dims(int nparam, void **params, int *ndims, int64_t **shapes, AttnDims *a) {
+  if (nparam < 5 || ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 2)
+    return false;
   a->b = shapes[0][0];
   a->s = shapes[0][1];
   a->h = shapes[0][2];
-  a->dh = shapes[0][3];
+  a->dk = shapes[0][3];
   a->kv = shapes[1][2];
+  a->dv = shapes[2][3];
   a->seg_b = shapes[3][0];
-  if (a->kv <= 0 || a->h % a->kv || shapes[1][1] != a->s || shapes[1][3] != a->dh) return false;
+  if (numel(ndims[4], shapes[4]) != 1) return false;
+  a->scale = static_cast<float *>(params[4])[0];
+  if (a->kv <= 0 || a->h % a->kv || shapes[1][0] != a->b || shapes[1][1] != a->s ||
+      shapes[1][3] != a->dk)
+    return false;
+  if (shapes[2][0] != a->b || shapes[2][1] != a->s || shapes[2][2] != a->kv) return false;
   return shapes[3][1] == a->s && (a->seg_b == 1 || a->seg_b == a->b);
 }
 
@@ -390,26 +509,27 @@ EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shap
   return 0;
 }
 
-// q [B, S, H, Dh], k, v [B, S, KV, Dh], seg [B|1, S] -> o [B, S, H, Dh], lse [B, H, S]
+// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
+//   -> o [B, S, H, Dv], lse [B, H, S]
 EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
   AttnDims a;
-  if (nparam != 6 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  if (nparam != 7 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   attn_fwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
                 static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[4]), static_cast<float *>(params[5]), a);
+                static_cast<float *>(params[5]), static_cast<float *>(params[6]), a);
   return 0;
 }
 
-// q, k, v, seg, o, lse, do -> dq, dk, dv
+// q, k, v, seg, scale, o, lse, do -> dq, dk, dv
 EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
   AttnDims a;
-  if (nparam != 10 || !attn_dims(nparam, ndims, shapes, &a)) return 1;
+  if (nparam != 11 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   attn_bwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
                 static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[4]), static_cast<float *>(params[5]),
-                static_cast<float *>(params[6]), static_cast<float *>(params[7]),
-                static_cast<float *>(params[8]), static_cast<float *>(params[9]), a);
+                static_cast<float *>(params[5]), static_cast<float *>(params[6]),
+                static_cast<float *>(params[7]), static_cast<float *>(params[8]),
+                static_cast<float *>(params[9]), static_cast<float *>(params[10]), a);
   return 0;
 }
