@@ -306,8 +306,7 @@ class Llama(nn.Cell):
 
 
 def use_cpu_kernels(cfg: ModelConfig, compute_dtype=ms.float32) -> bool:
-    """Whether a model built now (Llama or DeepSeek-V3) runs mindloom's fused CPU kernels
-    (model.kernels: auto)."""
+    """Whether a Llama or DeepSeek-V3 built now runs the fused CPU kernels (kernels: auto)."""
     if cfg.kernels != "auto" or compute_dtype != ms.float32:
         return False
     if cfg.param_dtype != "float32":
