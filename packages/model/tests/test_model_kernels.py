@@ -228,6 +228,16 @@ def test_attention_with_value_width_and_scale_against_numpy(b, s, h, kv, dk, dv,
 # ----------------------------------------------------------------------------- whole model
 
 
+def _restarted_positions(seg: np.ndarray) -> np.ndarray:
+    """Position ids [B, S] that restart at 0 at each document of the segment ids."""
+    b, s = seg.shape
+    pos = np.zeros((b, s), np.int32)
+    for i in range(b):
+        for j in range(1, s):
+            pos[i, j] = 0 if seg[i, j] != seg[i, j - 1] else pos[i, j - 1] + 1
+    return pos
+
+
 def train_losses(kernels: str, steps: int = 20):
     cfg = get_preset("debug", kernels=kernels)
     net = LlamaWithLoss(Llama(cfg, seed=3))
@@ -240,10 +250,7 @@ def train_losses(kernels: str, steps: int = 20):
     tokens = data.integers(0, cfg.vocab_size, (b, s + 1)).astype(np.int32)
     seg = np.repeat(np.arange(4, dtype=np.int32), [5, 11, 3, s - 19])[None].repeat(b, 0)
     seg[1] = 0  # one row is a single document
-    pos = np.zeros((b, s), np.int32)
-    for i in range(b):  # positions restart at each document
-        for j in range(1, s):
-            pos[i, j] = 0 if seg[i, j] != seg[i, j - 1] else pos[i, j - 1] + 1
+    pos = _restarted_positions(seg)
     mask = (data.random((b, s)) > 0.2).astype(np.float32)
     args = [Tensor(a) for a in (tokens[:, :-1], tokens[:, 1:], pos, seg, mask)]
     return np.array([float(step(*args).asnumpy()) for _ in range(steps)])
@@ -360,10 +367,7 @@ def _packed_batch(cfg, b):
     tokens = data.integers(0, cfg.vocab_size, (b, s + 1)).astype(np.int32)
     seg = np.repeat(np.arange(3, dtype=np.int32), [7, 2, s - 9])[None].repeat(b, 0)
     seg[-1] = 0  # one row is a single document
-    pos = np.zeros((b, s), np.int32)
-    for i in range(b):
-        for j in range(1, s):
-            pos[i, j] = 0 if seg[i, j] != seg[i, j - 1] else pos[i, j - 1] + 1
+    pos = _restarted_positions(seg)
     return tokens, seg, pos, (data.random((b, s)) > 0.2).astype(np.float32)
 
 
