@@ -426,10 +426,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--tied", action="store_true", help="also the tied-embedding reference")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank raises (launcher test)")
+    ap.add_argument("--crash-after-end", type=int, default=-1,
+                    help="this rank marks its run ended, then dies by SIGSEGV (launcher test)")  # fmt: skip
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK_ID", "0"))
     if rank == a.fail_rank:
         raise RuntimeError(f"injected failure on rank {rank}")
+    if a.crash_after_end >= 0:
+        import signal
+
+        from mindloom_parallel import guard_worker, mark_run_ended
+
+        guard_worker()  # its pid line names the rank in the launcher's warning
+        mark_run_ended(0)
+        if rank == a.crash_after_end:
+            os.kill(os.getpid(), signal.SIGSEGV)  # as MindSpore 2.10's teardown does, rarely
+        return 0
     if not a.layouts and not a.reference:
         return 0
     import mindspore as ms

@@ -201,6 +201,7 @@ def jobs(prepared, tmp_path_factory) -> dict:
             p.read_text(errors="replace") for p in sorted((runs["b"] / "msrun_logs").glob("*.log"))
         )
         out["b_stopped_metrics"] = (runs["b"] / "metrics.jsonl").read_text()
+        out["b_marks"] = [p.read_text() for p in (runs["b"] / "msrun_logs" / "ended").glob("*")]
         out["b_tracker"] = read_tracker(runs["b"] / "checkpoints")
         out["b_cache"] = _cache_counts(runs["b"])
         _, err = procs["a"].communicate(timeout=900)
@@ -238,6 +239,9 @@ def test_sigterm_to_launcher_stops_all_ranks_at_one_step_with_a_checkpoint(jobs)
                if r.get("event") == "end"]  # fmt: skip
     assert stopped[0]["status"] == "stopped" and stopped[0]["exit_code"] == 0
     assert stopped[0]["reason"] == "SIGTERM received" and stopped[0]["step"] == STOP_STEP
+    # each worker said its run ended with 0 (what lets the launcher forgive a crash in
+    # MindSpore's teardown after it: test_parallel_launch.py)
+    assert jobs["b_marks"] == ["0\n", "0\n"], jobs["b_marks"]
 
 
 @pytest.mark.msrun

@@ -22,6 +22,7 @@ from mindloom_parallel._launch import (
     RunLock,
     guard_worker,
     launch,
+    mark_run_ended,
     set_parent_death_signal,
 )
 from mindloom_parallel._layout import (
@@ -67,6 +68,7 @@ __all__ = [
     "dp_slice",
     "gather_rows",
     "guard_worker",
+    "mark_run_ended",
     "init_parallel",
     "launch",
     "layout_metadata",

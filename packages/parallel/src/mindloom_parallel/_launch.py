@@ -14,6 +14,7 @@ workers' side (``guard_worker``) and the run lock; ``_launch_diag`` the errors a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,13 @@ import sys
 from pathlib import Path
 
 from mindloom_parallel._config import validate
-from mindloom_parallel._launch_diag import WORKER_PID_LINE, LaunchError, LaunchStopped, diagnose
+from mindloom_parallel._launch_diag import (
+    WORKER_PID_LINE,
+    LaunchError,
+    LaunchStopped,
+    _killed_rank,
+    diagnose,
+)
 from mindloom_parallel._launch_proc import (
     Job,
     die_with_parent,
@@ -31,10 +38,13 @@ from mindloom_parallel._launch_proc import (
 from mindloom_parallel._launch_worker import (
     EXIT_ORPHANED,
     LAUNCHER_PID_ENV,
+    RUN_ENDED_ENV,
     RUN_LOCK_ENV,
     STOP_GRACE_ENV,
     RunLock,
+    ended_codes,
     guard_worker,
+    mark_run_ended,
 )
 
 __all__ = [
@@ -45,6 +55,7 @@ __all__ = [
     "diagnose",
     "set_parent_death_signal",
     "guard_worker",
+    "mark_run_ended",
     "EXIT_ORPHANED",
     "RunLock",
     "WORKER_PID_LINE",
@@ -111,7 +122,11 @@ def launch(
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = _msrun_command(args, world, nproc, node_rank, master_addr, master_port, log_dir,
                          cluster_timeout_s)  # fmt: skip
+    ended = log_dir / "ended"
+    shutil.rmtree(ended, ignore_errors=True)  # a previous job's marks
+    ended.mkdir()
     run_env = _msrun_env(env, stop_grace_s, lock)
+    run_env[RUN_ENDED_ENV] = str(ended)
     with open(log_dir / "msrun.log", "ab") as out:
         # msrun in a session of its own: a terminal's Ctrl-C reaches this launcher only (msrun
         # would SIGKILL the workers on SIGINT, no checkpoint); the launcher forwards it.
@@ -134,8 +149,22 @@ def launch(
             except BaseException:
                 job.kill()
                 raise
+    if rc != 0 and not stop.killed and _ended_cleanly(ended, nproc):
+        # every worker had finished its run (files durable) and said so before msrun saw
+        # the failure: a crash in MindSpore's teardown, not a failed job
+        killed = _killed_rank(log_dir)
+        who = f"rank {killed[0]} died by {killed[1]}" if killed else f"msrun exited with {rc}"
+        print(f"launch: warning: {who} after every worker had ended its run with code 0 "
+              f"(a crash in MindSpore's teardown); the job's files are complete; logs in "
+              f"{log_dir}", file=sys.stderr)  # fmt: skip
+        rc = 0
     _raise_for_outcome(rc, stop, stop_grace_s, log_dir)
     return 0
+
+
+def _ended_cleanly(ended: Path, nproc: int) -> bool:
+    codes = ended_codes(ended)
+    return len(codes) == nproc and all(c == 0 for c in codes)
 
 
 def _resolve_script(args: list[str]) -> list[str]:

@@ -67,7 +67,37 @@ RUN_LOCK_ENV = "MINDLOOM_RUN_LOCK"
 _held_lock_fd: int | None = None
 LAUNCHER_PID_ENV = "MINDLOOM_LAUNCHER_PID"
 STOP_GRACE_ENV = "MINDLOOM_STOP_GRACE_S"
+RUN_ENDED_ENV = "MINDLOOM_RUN_ENDED_DIR"
 EXIT_ORPHANED = 5
+
+
+def mark_run_ended(code: int) -> None:
+    """Call when the script's work is over and its files are durable, just before it
+    returns: records ``code`` for the launcher. MindSpore 2.10's cluster teardown, which
+    runs after this, can crash a worker whose run has ended (a SIGSEGV in its receive
+    thread, seen about once a day here); ``launch`` reads these marks so such a crash does
+    not turn a finished job into a failed one. A no-op outside ``launch``."""
+    where = os.environ.get(RUN_ENDED_ENV)
+    if not where or os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun's scheduler runs it too
+        return
+    name = f"worker_{os.environ.get('RANK_ID', '')}_{os.getpid()}"
+    tmp = Path(where) / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{int(code)}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(where) / name)
+
+
+def ended_codes(where: Path) -> list[int]:
+    """The codes the workers recorded with ``mark_run_ended`` in ``where``."""
+    out = []
+    for p in sorted(where.glob("worker_*")):
+        try:
+            out.append(int(p.read_text().strip()))
+        except ValueError:  # a mark is written whole (rename) or not at all
+            continue
+    return out
 
 
 def guard_worker() -> None:

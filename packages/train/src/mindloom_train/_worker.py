@@ -6,12 +6,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mindloom_parallel import guard_worker
+    from mindloom_parallel import guard_worker, mark_run_ended
 
     guard_worker()  # never outlive msrun or the launcher
     from mindloom_train._cli import main as cli_main
 
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    code = cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    mark_run_ended(code)  # the run's files are durable: what MindSpore's teardown does next
+    return code
 
 
 if __name__ == "__main__":
