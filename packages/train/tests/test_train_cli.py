@@ -30,14 +30,19 @@ def _start(out: Path, *args: str, fault: str | None = None) -> subprocess.Popen:
                                 stdout=so, stderr=se, text=True, env=launch_env(fault))  # fmt: skip
 
 
-def test_generate_from_a_checkpoint(run_a, capsys):
+def test_generate_from_a_checkpoint(run_a, capsys, tmp_path):
     args = ["generate", "--checkpoint", str(run_a / "checkpoints"), "--prompt", "ROMEO:",
             "--max-new-tokens", "20", "--seed", "3"]  # fmt: skip
-    assert main(args) == 0
-    out = capsys.readouterr().out
+    store = tmp_path / "store"
+    assert main([*args, "--compile-cache-dir", str(store)]) == 0
+    got = capsys.readouterr()
+    out = got.out
     assert out.startswith("ROMEO:") and len(out.rstrip("\n")) == len("ROMEO:") + 20
-    assert main(args) == 0
-    assert capsys.readouterr().out == out  # seeded: the same text again
+    assert f"misses ({store})" in got.err and any(store.iterdir()), got.err  # its own store
+    assert main([*args, "--compile-cache", "off"]) == 0
+    got = capsys.readouterr()
+    assert got.out == out  # seeded: the same text again, uncached
+    assert "generate: compile cache: off" in got.err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

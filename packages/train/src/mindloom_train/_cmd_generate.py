@@ -26,6 +26,12 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's)")
+    p.add_argument("--compile-cache", choices=["auto", "off"], default="auto",
+                   help="compile the decoder graphs through the training runs' store (auto) "
+                   "or not (off), as the config's context.compile_cache")  # fmt: skip
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="the store (default: $MINDLOOM_COMPILE_CACHE, else "
+                   "~/.cache/mindloom/compile), as the config's context.compile_cache_dir")  # fmt: skip
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face Llama directory")
@@ -49,7 +55,8 @@ def _cmd_generate(args) -> int:
     def note(line: str) -> None:
         print(f"generate: {line}", file=sys.stderr)
 
-    graphs = generate_compile_cache(model, note)
+    graphs = generate_compile_cache(model, note, store=args.compile_cache_dir,
+                                    enabled=args.compile_cache == "auto")  # fmt: skip
     try:
         text = sample_text(model, tok, args.prompt, args.max_new_tokens, args.temperature,
                            args.top_k, args.top_p, args.seed,

@@ -167,13 +167,13 @@ def sample_text(model, tok, prompt: str, max_new_tokens: int, temperature: float
     return tok.decode(row)
 
 
-def generate_compile_cache(model, log):
-    """The store `mindloom generate` compiles its decoder graphs through: the training
-    runs' store ($MINDLOOM_COMPILE_CACHE, else ~/.cache/mindloom/compile), keyed by the
+def generate_compile_cache(model, log, store: str | None = None, enabled: bool = True):
+    """The store `mindloom generate` compiles its decoder graphs through: `store`, else the
+    training runs' ($MINDLOOM_COMPILE_CACHE, else ~/.cache/mindloom/compile), keyed by the
     model's whole config (a value like rope_theta is baked into the graph as a constant)."""
     import dataclasses
 
     from mindloom_model import CompileCache, compile_cache_dir
 
     context = {"purpose": "generate", "model": dataclasses.asdict(model.config)}
-    return CompileCache(compile_cache_dir(), context, log=log)
+    return CompileCache(compile_cache_dir(store), context, log=log, enabled=enabled)
