@@ -182,3 +182,29 @@ def test_generate_loads_its_decoder_graphs_for_another_model_of_the_same_config(
     changed = cache(theta)
     generate(Llama(theta, seed=2), prompt, 5, temperature=0, compile_cache=changed)
     assert (changed.hits, changed.misses) == (0, 2)
+
+
+def test_private_dirs_of_dead_processes_are_swept(tmp_path):
+    """A SIGKILLed worker never runs its atexit: its private MindSpore cache directory is
+    removed by the next process that starts one (pid in the name; a live pid's is kept).
+    Plant: the liveness check removed -> the live process' directory goes too."""
+    import subprocess
+
+    from mindloom_model._compile_cache_ms import sweep_dead_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        made = {
+            "dead": tmp_path / f"mindloom-compile-{dead.pid}-abc",
+            "live": tmp_path / f"mindloom-compile-{live.pid}-def",
+            "old": tmp_path / "mindloom-compile-xyz",  # before pids were in the name: kept
+        }
+        for d in made.values():
+            (d / "rank_0" / "graph_cache").mkdir(parents=True)
+        assert sweep_dead_dirs(str(tmp_path)) == [made["dead"]]
+        assert not made["dead"].exists() and made["live"].is_dir() and made["old"].is_dir()
+    finally:
+        live.kill()
+        live.wait()

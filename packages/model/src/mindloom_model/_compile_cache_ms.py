@@ -24,6 +24,30 @@ from pathlib import Path
 __all__ = ["PROCESS", "cache_file_index"]
 
 
+_DIR_PREFIX = "mindloom-compile-"
+
+
+def sweep_dead_dirs(tmp: str | None = None) -> list[Path]:
+    """Remove the private directories of processes that are gone: atexit never runs in a
+    SIGKILLed worker (an msrun job killed on a timeout, an OOM kill). A directory whose
+    process lives (or whose pid was reused) is left; returns the ones removed."""
+    gone = []
+    for d in Path(tmp or tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*-*"):
+        pid = d.name[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive, or another user's live process
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
+
+
 class _Process:
     """MindSpore's side, once per process: the private directory its cache points at, the
     index of the file its next cached compile reads or writes, and the rank directory."""
@@ -39,7 +63,8 @@ class _Process:
         directory at the first cached compile of a process)."""
         if self.root is not None or self.broken:
             return
-        self.root = Path(tempfile.mkdtemp(prefix="mindloom-compile-"))
+        sweep_dead_dirs()
+        self.root = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-"))
         atexit.register(shutil.rmtree, self.root, True)
         self._entry_script()
         os.environ["MS_COMPILER_CACHE_PATH"] = str(self.root)
