@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_name("kernels.cpp")
-_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno"]
+_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-fno-math-errno"]
 _state: dict = {}
 
 

@@ -9,17 +9,31 @@
 // Vector paths: the hot loops are plain loops the compiler vectorises; `MINDLOOM_SIMD`
 // builds an AVX-512, an AVX2 and a baseline copy of each and the loader picks one at run
 // time from the CPU (GCC function multiversioning), so one library runs on any x86-64.
-// OpenMP spreads rows (norms, loss) or (batch, head) pairs (attention) over the threads.
+// A small thread pool of the library's own (`Pool`) spreads rows (norms, loss) or (batch,
+// head) pairs (attention) over the threads; `#pragma omp simd` only marks loops to
+// vectorise (-fopenmp-simd: no OpenMP runtime, no OpenMP threads).
+//
+// Why not OpenMP's threads: libgomp's workers spin for ~300k iterations after each
+// parallel region by default, and a training step calls these kernels ~90 times between
+// MindSpore's own ops, so the spinning worker took a core from MindSpore's thread pool for
+// the op that came next (kernels 0.67x the portable step under default settings, 1.51x
+// with OMP_WAIT_POLICY=PASSIVE, which slows every other OpenMP user of the process). The
+// pool's workers spin a few microseconds, then sleep on a condition variable.
+
+#include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MINDLOOM_NO_CLONES)
 #define MINDLOOM_SIMD __attribute__((target_clones("avx512f", "avx2,fma", "default")))
@@ -37,20 +51,131 @@ int64_t numel(int nd, const int64_t *shape) {
   return n;
 }
 
-int num_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
 #endif
 }
 
-int thread_id() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
+// The threads a kernel runs on: $MINDLOOM_KERNEL_THREADS, else $OMP_NUM_THREADS (what the
+// OpenMP build used), else the CPUs this process may run on.
+int pool_threads() {
+  for (const char *name : {"MINDLOOM_KERNEL_THREADS", "OMP_NUM_THREADS"}) {
+    const char *v = std::getenv(name);
+    if (v != nullptr && std::atoi(v) > 0) return std::min(std::atoi(v), 256);
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// f(t, nt) on nt threads, t = 0 being the caller. Workers spin ~kSpin pauses for the next
+// job (kernels often come back to back), then sleep. A call made while another kernel
+// holds the pool (MindSpore may run independent ops at once) runs alone in its thread as
+// f(0, 1): every kernel below is correct for any nt.
+class Pool {
+ public:
+  using Job = std::function<void(int, int)>;
+
+  // Never destroyed: its threads sleep through exit. A child forked after the pool started
+  // has none of its threads: it starts a pool of its own at its first kernel.
+  static Pool &get() {
+    Pool *p = instance().load(std::memory_order_acquire);
+    if (p != nullptr) return *p;
+    static std::mutex create_mu;
+    std::lock_guard<std::mutex> lk(create_mu);
+    p = instance().load(std::memory_order_acquire);
+    if (p == nullptr) {
+      static bool registered = false;
+      if (!registered) {
+        pthread_atfork(nullptr, nullptr, [] { instance().store(nullptr); });
+        registered = true;
+      }
+      p = new Pool();
+      instance().store(p, std::memory_order_release);
+    }
+    return *p;
+  }
+
+  int size() const { return n_; }
+
+  void run(const Job &f) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || n_ == 1) {
+      f(0, 1);
+      return;
+    }
+    job_ = &f;
+    pending_.store(n_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    f(0, n_);
+    for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) {
+      if (spins < kSpin) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpin = 4000;  // ~10-40 us of pause instructions
+
+  static std::atomic<Pool *> &instance() {
+    static std::atomic<Pool *> p{nullptr};
+    return p;
+  }
+
+  Pool() : n_(pool_threads()) {
+    for (int t = 1; t < n_; ++t) std::thread([this, t] { loop(t); }).detach();
+  }
+
+  void loop(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g = gen_.load(std::memory_order_acquire);
+      for (int spins = 0; g == seen && spins < kSpin; ++spins) {
+        cpu_relax();
+        g = gen_.load(std::memory_order_acquire);
+      }
+      if (g == seen) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+        g = gen_.load(std::memory_order_acquire);
+      }
+      seen = g;
+      (*job_)(t, n_);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  const int n_;
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0};
+  const Job *job_ = nullptr;
+};
+
+// rows [lo, hi) of n for thread t of nt, contiguous and balanced
+inline void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+  const int64_t q = n / nt, r = n % nt;
+  *lo = t * q + std::min<int64_t>(t, r);
+  *hi = *lo + q + (t < r ? 1 : 0);
+}
+
+// rows of n spread over the pool: body(lo, hi) for each thread's contiguous block
+template <class Body>
+void parallel_rows(int64_t n, Body body) {
+  Pool::get().run([&](int t, int nt) {
+    int64_t lo, hi;
+    chunk(n, t, nt, &lo, &hi);
+    if (lo < hi) body(lo, hi);
+  });
 }
 
 // exp(x) in fp32 to ~2 ulp, written so loops over it vectorise (the libm call does not
@@ -77,7 +202,6 @@ inline float vexp(float x) {
 
 MINDLOOM_SIMD void rmsnorm_fwd_rows(const float *x, const float *w, float *y, float *rstd,
                                     int64_t n, int64_t d, float eps) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * d;
     float *yr = y + r * d;
@@ -91,47 +215,36 @@ MINDLOOM_SIMD void rmsnorm_fwd_rows(const float *x, const float *w, float *y, fl
   }
 }
 
+// rows [0, n); the weight gradient of these rows is added into pw
 MINDLOOM_SIMD void rmsnorm_bwd_rows(const float *x, const float *w, const float *rstd,
-                                    const float *dy, float *dx, float *dw, int64_t n,
+                                    const float *dy, float *dx, float *pw, int64_t n,
                                     int64_t d) {
-  const int nt = num_threads();
-  std::vector<float> partial(static_cast<size_t>(nt) * d, 0.f);
-#pragma omp parallel
-  {
-    float *pw = partial.data() + static_cast<int64_t>(thread_id()) * d;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      const float *xr = x + r * d, *gr = dy + r * d;
-      float *dxr = dx + r * d;
-      const float rs = rstd[r];
-      float dot = 0.f;  // sum_j (w dy)_j xhat_j
+  for (int64_t r = 0; r < n; ++r) {
+    const float *xr = x + r * d, *gr = dy + r * d;
+    float *dxr = dx + r * d;
+    const float rs = rstd[r];
+    float dot = 0.f;  // sum_j (w dy)_j xhat_j
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < d; ++j) dot += w[j] * gr[j] * xr[j];
-      const float c = dot * rs * rs / static_cast<float>(d);
+    for (int64_t j = 0; j < d; ++j) dot += w[j] * gr[j] * xr[j];
+    const float c = dot * rs * rs / static_cast<float>(d);
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) {
-        dxr[j] = rs * (w[j] * gr[j] - xr[j] * c);
-        pw[j] += gr[j] * xr[j] * rs;
-      }
+    for (int64_t j = 0; j < d; ++j) {
+      dxr[j] = rs * (w[j] * gr[j] - xr[j] * c);
+      pw[j] += gr[j] * xr[j] * rs;
     }
-  }
-  std::fill(dw, dw + d, 0.f);
-  for (int t = 0; t < nt; ++t) {
-    const float *pw = partial.data() + static_cast<int64_t>(t) * d;
-    for (int64_t j = 0; j < d; ++j) dw[j] += pw[j];
   }
 }
 
 // ------------------------------------------------------------------------ SwiGLU
 
 MINDLOOM_SIMD void swiglu_fwd_flat(const float *a, const float *b, float *y, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.f + vexp(-a[i])) * b[i];
 }
 
 MINDLOOM_SIMD void swiglu_bwd_flat(const float *a, const float *b, const float *dy, float *da,
                                    float *db, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.f / (1.f + vexp(-a[i]));
     db[i] = dy[i] * a[i] * s;
@@ -143,7 +256,6 @@ MINDLOOM_SIMD void swiglu_bwd_flat(const float *a, const float *b, const float *
 
 MINDLOOM_SIMD void ce_fwd_rows(const float *x, const int32_t *labels, float *nll, float *lse,
                                int64_t n, int64_t v) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * v;
     float m = -INFINITY;
@@ -161,7 +273,6 @@ MINDLOOM_SIMD void ce_fwd_rows(const float *x, const int32_t *labels, float *nll
 
 MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const float *lse,
                                const float *g, float *dx, int64_t n, int64_t v) {
-#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float *xr = x + r * v;
     float *dr = dx + r * v;
@@ -302,18 +413,18 @@ MINDLOOM_SIMD void masked_exp(float *p, const float *sub, const int32_t *sg, int
   }
 }
 
-MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
-                                 const int32_t *seg, float *o, float *lse, AttnDims a) {
+// one thread's share: (batch, head) tasks taken from `next` until none is left
+MINDLOOM_SIMD void attn_fwd_worker(const float *q, const float *k, const float *v,
+                                   const int32_t *seg, float *o, float *lse, AttnDims a,
+                                   std::atomic<int64_t> *next) {
   const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv, Sp = padded(a.s);
   const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
   const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
-#pragma omp parallel
   {
     std::vector<float> kt(static_cast<size_t>(Dk * Sp)), vt(static_cast<size_t>(Dv * Sp));
     std::vector<float> p(static_cast<size_t>(RB * Sp)), qs(static_cast<size_t>(RB * Dk));
     std::vector<float> ob(static_cast<size_t>(RB * Dv));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < a.b * a.h; ++task) {
+    for (int64_t task; (task = next->fetch_add(1, std::memory_order_relaxed)) < a.b * a.h;) {
       const int64_t bi = task / a.h, hi = task % a.h, kvi = hi / rep;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
       transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data());
@@ -356,13 +467,13 @@ MINDLOOM_SIMD void attn_fwd_impl(const float *q, const float *k, const float *v,
   }
 }
 
-MINDLOOM_SIMD void attn_bwd_impl(const float *q, const float *k, const float *v,
-                                 const int32_t *seg, const float *o, const float *lse,
-                                 const float *dout, float *dq, float *dk, float *dv, AttnDims a) {
+MINDLOOM_SIMD void attn_bwd_worker(const float *q, const float *k, const float *v,
+                                   const int32_t *seg, const float *o, const float *lse,
+                                   const float *dout, float *dq, float *dk, float *dv,
+                                   AttnDims a, std::atomic<int64_t> *next) {
   const int64_t rep = a.h / a.kv, S = a.s, Dk = a.dk, Dv = a.dv, Sp = padded(a.s);
   const int64_t qstride = a.h * Dk, ostride = a.h * Dv;
   const int64_t kstride = a.kv * Dk, vstride = a.kv * Dv;
-#pragma omp parallel
   {
     std::vector<float> kt(static_cast<size_t>(Dk * Sp)), vt(static_cast<size_t>(Dv * Sp));
     std::vector<float> dkt(static_cast<size_t>(Dk * Sp)), dvt(static_cast<size_t>(Dv * Sp));
@@ -370,8 +481,7 @@ MINDLOOM_SIMD void attn_bwd_impl(const float *q, const float *k, const float *v,
     std::vector<float> qs(static_cast<size_t>(RB * Dk)), gb(static_cast<size_t>(RB * Dv));
     std::vector<float> dqb(static_cast<size_t>(RB * Dk));
     // one task per (batch, kv head): it owns that head's dk and dv rows
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < a.b * a.kv; ++task) {
+    for (int64_t task; (task = next->fetch_add(1, std::memory_order_relaxed)) < a.b * a.kv;) {
       const int64_t bi = task / a.kv, kvi = task % a.kv;
       const int32_t *sg = seg + (a.seg_b == 1 ? 0 : bi * S);
       transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data());
@@ -453,9 +563,12 @@ EXPORT int mindloom_rmsnorm_fwd(int nparam, void **params, int *ndims, int64_t *
                                 const char **, void *, void *) {
   if (nparam != 5) return 1;
   const int64_t d = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / d;
-  rmsnorm_fwd_rows(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                   static_cast<float *>(params[3]), static_cast<float *>(params[4]), n, d,
-                   static_cast<float *>(params[2])[0]);
+  const float *x = static_cast<float *>(params[0]), *w = static_cast<float *>(params[1]);
+  float *y = static_cast<float *>(params[3]), *rstd = static_cast<float *>(params[4]);
+  const float eps = static_cast<float *>(params[2])[0];
+  parallel_rows(n, [&](int64_t lo, int64_t hi) {
+    rmsnorm_fwd_rows(x + lo * d, w, y + lo * d, rstd + lo, hi - lo, d, eps);
+  });
   return 0;
 }
 
@@ -464,9 +577,23 @@ EXPORT int mindloom_rmsnorm_bwd(int nparam, void **params, int *ndims, int64_t *
                                 const char **, void *, void *) {
   if (nparam != 6) return 1;
   const int64_t d = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / d;
-  rmsnorm_bwd_rows(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                   static_cast<float *>(params[2]), static_cast<float *>(params[3]),
-                   static_cast<float *>(params[4]), static_cast<float *>(params[5]), n, d);
+  const float *x = static_cast<float *>(params[0]), *w = static_cast<float *>(params[1]);
+  const float *rstd = static_cast<float *>(params[2]), *dy = static_cast<float *>(params[3]);
+  float *dx = static_cast<float *>(params[4]), *dw = static_cast<float *>(params[5]);
+  const int nt = Pool::get().size();
+  std::vector<float> partial(static_cast<size_t>(nt) * d, 0.f);  // per thread: no atomics
+  Pool::get().run([&](int t, int nth) {
+    int64_t lo, hi;
+    chunk(n, t, nth, &lo, &hi);
+    if (lo < hi)
+      rmsnorm_bwd_rows(x + lo * d, w, rstd + lo, dy + lo * d, dx + lo * d,
+                       partial.data() + static_cast<int64_t>(t) * d, hi - lo, d);
+  });
+  std::fill(dw, dw + d, 0.f);
+  for (int t = 0; t < nt; ++t) {
+    const float *pw = partial.data() + static_cast<int64_t>(t) * d;
+    for (int64_t j = 0; j < d; ++j) dw[j] += pw[j];
+  }
   return 0;
 }
 
@@ -474,8 +601,11 @@ EXPORT int mindloom_rmsnorm_bwd(int nparam, void **params, int *ndims, int64_t *
 EXPORT int mindloom_swiglu_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **, void *, void *) {
   if (nparam != 3) return 1;
-  swiglu_fwd_flat(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                  static_cast<float *>(params[2]), numel(ndims[0], shapes[0]));
+  const float *a = static_cast<float *>(params[0]), *b = static_cast<float *>(params[1]);
+  float *y = static_cast<float *>(params[2]);
+  parallel_rows(numel(ndims[0], shapes[0]), [&](int64_t lo, int64_t hi) {
+    swiglu_fwd_flat(a + lo, b + lo, y + lo, hi - lo);
+  });
   return 0;
 }
 
@@ -483,9 +613,12 @@ EXPORT int mindloom_swiglu_fwd(int nparam, void **params, int *ndims, int64_t **
 EXPORT int mindloom_swiglu_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **, void *, void *) {
   if (nparam != 5) return 1;
-  swiglu_bwd_flat(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                  static_cast<float *>(params[2]), static_cast<float *>(params[3]),
-                  static_cast<float *>(params[4]), numel(ndims[0], shapes[0]));
+  const float *a = static_cast<float *>(params[0]), *b = static_cast<float *>(params[1]);
+  const float *dy = static_cast<float *>(params[2]);
+  float *da = static_cast<float *>(params[3]), *db = static_cast<float *>(params[4]);
+  parallel_rows(numel(ndims[0], shapes[0]), [&](int64_t lo, int64_t hi) {
+    swiglu_bwd_flat(a + lo, b + lo, dy + lo, da + lo, db + lo, hi - lo);
+  });
   return 0;
 }
 
@@ -493,9 +626,13 @@ EXPORT int mindloom_swiglu_bwd(int nparam, void **params, int *ndims, int64_t **
 EXPORT int mindloom_ce_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
   if (nparam != 4 || ndims[0] != 2) return 1;
-  ce_fwd_rows(static_cast<float *>(params[0]), static_cast<int32_t *>(params[1]),
-              static_cast<float *>(params[2]), static_cast<float *>(params[3]), shapes[0][0],
-              shapes[0][1]);
+  const float *x = static_cast<float *>(params[0]);
+  const int32_t *labels = static_cast<int32_t *>(params[1]);
+  float *nll = static_cast<float *>(params[2]), *lse = static_cast<float *>(params[3]);
+  const int64_t v = shapes[0][1];
+  parallel_rows(shapes[0][0], [&](int64_t lo, int64_t hi) {
+    ce_fwd_rows(x + lo * v, labels + lo, nll + lo, lse + lo, hi - lo, v);
+  });
   return 0;
 }
 
@@ -503,9 +640,14 @@ EXPORT int mindloom_ce_fwd(int nparam, void **params, int *ndims, int64_t **shap
 EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
   if (nparam != 5 || ndims[0] != 2) return 1;
-  ce_bwd_rows(static_cast<float *>(params[0]), static_cast<int32_t *>(params[1]),
-              static_cast<float *>(params[2]), static_cast<float *>(params[3]),
-              static_cast<float *>(params[4]), shapes[0][0], shapes[0][1]);
+  const float *x = static_cast<float *>(params[0]);
+  const int32_t *labels = static_cast<int32_t *>(params[1]);
+  const float *lse = static_cast<float *>(params[2]), *g = static_cast<float *>(params[3]);
+  float *dx = static_cast<float *>(params[4]);
+  const int64_t v = shapes[0][1];
+  parallel_rows(shapes[0][0], [&](int64_t lo, int64_t hi) {
+    ce_bwd_rows(x + lo * v, labels + lo, lse + lo, g + lo, dx + lo * v, hi - lo, v);
+  });
   return 0;
 }
 
@@ -515,9 +657,12 @@ EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **sh
                              const char **, void *, void *) {
   AttnDims a;
   if (nparam != 7 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
-  attn_fwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[5]), static_cast<float *>(params[6]), a);
+  std::atomic<int64_t> next{0};
+  Pool::get().run([&](int, int) {
+    attn_fwd_worker(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                    static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
+                    static_cast<float *>(params[5]), static_cast<float *>(params[6]), a, &next);
+  });
   return 0;
 }
 
@@ -526,10 +671,13 @@ EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **sh
                              const char **, void *, void *) {
   AttnDims a;
   if (nparam != 11 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
-  attn_bwd_impl(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
-                static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
-                static_cast<float *>(params[5]), static_cast<float *>(params[6]),
-                static_cast<float *>(params[7]), static_cast<float *>(params[8]),
-                static_cast<float *>(params[9]), static_cast<float *>(params[10]), a);
+  std::atomic<int64_t> next{0};
+  Pool::get().run([&](int, int) {
+    attn_bwd_worker(static_cast<float *>(params[0]), static_cast<float *>(params[1]),
+                    static_cast<float *>(params[2]), static_cast<int32_t *>(params[3]),
+                    static_cast<float *>(params[5]), static_cast<float *>(params[6]),
+                    static_cast<float *>(params[7]), static_cast<float *>(params[8]),
+                    static_cast<float *>(params[9]), static_cast<float *>(params[10]), a, &next);
+  });
   return 0;
 }
