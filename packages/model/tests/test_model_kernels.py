@@ -305,6 +305,66 @@ def test_the_kernel_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
         K._state.update(saved)
 
 
+def _ctypes_swiglu(lib, a, b):
+    """The library's SwiGLU forward called directly (MindSpore's AOT signature)."""
+    import ctypes
+
+    y = np.empty_like(a)
+    ptrs = (ctypes.c_void_p * 3)(a.ctypes.data, b.ctypes.data, y.ctypes.data)
+    shape = (ctypes.c_int64 * 1)(a.size)
+    shapes = (ctypes.POINTER(ctypes.c_int64) * 3)(shape, shape, shape)
+    assert lib.mindloom_swiglu_fwd(3, ptrs, (ctypes.c_int * 3)(1, 1, 1), shapes, None, None,
+                                   None) == 0  # fmt: skip
+    return y
+
+
+def test_the_thread_pool_serves_concurrent_callers_and_a_forked_child():
+    """The kernels' own thread pool (not OpenMP's): two threads calling kernels at once
+    (one gets the pool, the other runs alone) and a child forked after the pool started
+    (it has none of the parent's threads: it must start its own, not wait forever) all
+    get NumPy's values. Plant: the atfork reset removed -> the child hangs (killed after
+    60 s, fails); the try-lock replaced by a plain second caller entering the pool ->
+    wrong values or a hang."""
+    import ctypes
+    import threading
+
+    lib = ctypes.CDLL(str(K.library_path()))
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(1 << 18).astype(np.float32) for _ in range(2))
+    want = a / (1 + np.exp(-a.astype(np.float64))) * b
+    np.testing.assert_allclose(_ctypes_swiglu(lib, a, b), want, rtol=1e-5, atol=1e-6)
+    errs: list = []
+
+    def hammer():
+        for _ in range(200):
+            if not np.allclose(_ctypes_swiglu(lib, a, b), want, rtol=1e-5, atol=1e-6):
+                errs.append("wrong values")
+                return
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errs and not any(t.is_alive() for t in threads)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the right values
+        ok = np.allclose(_ctypes_swiglu(lib, a, b), want, rtol=1e-5, atol=1e-6)
+        os._exit(0 if ok else 3)
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's kernel call did not return within 60 s")
+
+
 def test_portable_config_is_validated():
     with pytest.raises(ValueError, match="kernels must be 'auto' or 'portable'"):
         get_preset("debug", kernels="fast")

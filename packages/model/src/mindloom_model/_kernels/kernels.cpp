@@ -57,13 +57,12 @@ inline void cpu_relax() {
 #endif
 }
 
-// The threads a kernel runs on: $MINDLOOM_KERNEL_THREADS, else $OMP_NUM_THREADS (what the
-// OpenMP build used), else the CPUs this process may run on.
+// The threads a kernel runs on: $MINDLOOM_KERNEL_THREADS, else the CPUs this process may
+// run on (what libgomp chose for the OpenMP build). Not $OMP_NUM_THREADS: importing
+// MindSpore setenv()s it to 1 for its own use (libgomp had read it before then).
 int pool_threads() {
-  for (const char *name : {"MINDLOOM_KERNEL_THREADS", "OMP_NUM_THREADS"}) {
-    const char *v = std::getenv(name);
-    if (v != nullptr && std::atoi(v) > 0) return std::min(std::atoi(v), 256);
-  }
+  const char *v = std::getenv("MINDLOOM_KERNEL_THREADS");
+  if (v != nullptr && std::atoi(v) > 0) return std::min(std::atoi(v), 256);
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
   return std::max(1u, std::thread::hardware_concurrency());
