@@ -24,9 +24,8 @@ from mindloom_train import _checkpoint as ck
 def compiled_zero(dims, mode: str) -> bool:
     """Whether a layout runs the compiled ZeRO-1 step: zero_stage 1 over dp > 1 without
     tensor or pipeline parallel, in graph mode (`context.mode: pynative` keeps the engine)."""
-    return dims.zero_stage == 1 and dims.dp > 1 and dims.tp == 1 and dims.pp == 1 and (
-        mode == "graph"
-    )
+    model_parallel = dims.tp > 1 or dims.pp > 1
+    return dims.zero_stage == 1 and dims.dp > 1 and not model_parallel and mode == "graph"
 
 
 class CompiledZero:
