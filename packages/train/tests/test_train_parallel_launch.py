@@ -352,4 +352,8 @@ def test_per_rank_fields_are_each_ranks_own(runs):
         peak, rank, _ = re.findall(_PEAK_LINE, log.read_text(errors="replace"))[-1]
         logged[int(rank)] = float(peak)
     last = recs[3]["mem_peak_mb_ranks"]
-    assert all(last[r] <= logged[r] + 0.1 for r in (0, 1)), (last, logged)
+    # VmHWM is max(the high-water mark the kernel records at unmap, the resident set now):
+    # memory handed back otherwise (madvise) lowers it slightly; seen on the compiled
+    # ZeRO-1 step: 0.16 and 0.27 MiB below the record's value. A swapped or duplicated
+    # row is off by the 64 MiB ballast.
+    assert all(last[r] <= logged[r] + 1.0 for r in (0, 1)), (last, logged)
