@@ -372,7 +372,7 @@ def main(argv=None) -> int:
         shares.append(statistics.mean(x["comm_share"] for x in ranks))
         if args.zero:  # the slower rank's step; shares and state per rank
             zero_rows.append({k: max(x[k] for x in ranks) for k in ranks[0] if k.startswith(
-                ("zero1_", "dp2_adamw"))})  # fmt: skip
+                ("zero1_", "dp2_adamw", "dp2_state"))})  # fmt: skip
             zero_rows[-1]["state"] = [x["zero1_state_values"] for x in ranks]
             zero_rows[-1]["share"] = statistics.mean(
                 1 - x["zero1_no_comm_s"] / x["zero1_compiled_s"] for x in ranks
@@ -390,6 +390,7 @@ def main(argv=None) -> int:
     print(f"ratio dp2 / one process: {s2 / s1:.2f}")
     print(f"communication share of the dp2 step (median): {statistics.median(shares):.1%}")
     if zero_rows:
+        print("zero arms per launch (slower rank):", json.dumps(zero_rows))
         med = {k: statistics.median(r[k] for r in zero_rows) for k in zero_rows[0]
                if k != "state"}  # fmt: skip
         base = med["dp2_adamw_s"] * 1e3
