@@ -16,6 +16,13 @@ pynative` path), and print their ms/step next to the compiled dp2 step's:
 
     ./dev bench benchmarks/parallel.py --preset debug --tp [--tp-sp]
 
+With `--zero`, the same workers time dp2 + ZeRO-1 (AdamW state for the owned parameters
+only) as ONE compiled step (`mindloom_parallel.ZeroShardUpdate`), the same step without
+its collectives (its communication share), dp2 with the fused AdamW on every parameter
+compiled (the peer) and ZeRO-1 through the PyNative engine (`ZeroAdamW`):
+
+    ./dev bench benchmarks/parallel.py --preset debug --seq 32 --zero
+
 What the CPU backend can show: that the DP algorithm runs and what its all-reduce costs
 relative to compute when two workers share 2 cores. What it cannot show: scaling, since
 one process already uses both cores; that needs one device per worker.
@@ -106,6 +113,115 @@ def _tp_step_cell(model, pcfg, groups):
             return loss
 
     return Step()
+
+
+def _adamw_step_cell(model, groups, zero: bool, comm: bool):
+    """dp2 with AdamW as one compiled step: the GradReducer (``comm``), then the fused
+    AdamW on every parameter (plain dp) or ZeRO-1's owned ones plus the owners' share
+    (``zero``, mindloom_parallel.ZeroShardUpdate). ``comm=False``: the same step without
+    its collectives (the communication share's peer)."""
+    import mindspore as ms
+    import numpy as np
+    from mindloom_model._llama import causal_lm_loss
+    from mindloom_parallel import GradReducer, ZeroShardUpdate, adamw_scalars
+    from mindspore import Parameter, Tensor, nn, ops
+
+    params = model.trainable_params()
+    lr, eps, wd = adamw_scalars(1, 1e-3, 0.9, 0.95, 1e-8, 0.1)
+    adamw = ops.AdamWeightDecay()
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.model = model
+
+        def construct(self, tokens, labels):
+            return causal_lm_loss(self.model(tokens), labels)
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = Net()
+            self.params = ms.ParameterTuple(params)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.reducer = GradReducer(params, groups.dp, mean=True) if comm else None
+            self.zero = ZeroShardUpdate(params, groups.dp, [1.0] * len(params)) if zero else None
+            if not zero:
+                self.m = ms.ParameterTuple([Parameter(np.zeros(p.shape, np.float32),
+                                            name="m." + p.name) for p in params])  # fmt: skip
+                self.v = ms.ParameterTuple([Parameter(np.zeros(p.shape, np.float32),
+                                            name="v." + p.name) for p in params])  # fmt: skip
+            self.h = Tensor(np.array([1.0, lr, 0.9, 0.95, eps, wd], np.float32))
+
+        def construct(self, tokens, labels):
+            loss = self.net(tokens, labels)
+            grads = self.grad(self.net, self.params)(tokens, labels)
+            if self.reducer is not None:
+                grads = self.reducer(grads)
+            h = self.h
+            if self.zero is not None:
+                tok = self.zero.update(grads, h[0], h[1], h[2], h[3], h[4], h[5],
+                                       ops.depend(loss, grads))  # fmt: skip
+                if self.reducer is not None:
+                    tok = self.zero.share(tok)
+                return tok
+            for i in range(len(grads)):
+                r = adamw(self.params[i], self.m[i], self.v[i], h[1], h[2], h[3], h[4], h[5],
+                          grads[i])  # fmt: skip
+                loss = ops.depend(loss, r)
+            return loss
+
+    return Step()
+
+
+def zero_arms(args, groups) -> dict:
+    """ms/step of dp2 + ZeRO-1 compiled (and without its collectives: the communication
+    share), dp2 with AdamW compiled (the peer), and ZeRO-1 through the PyNative engine."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import (
+        ParallelConfig,
+        ParallelEngine,
+        ZeroAdamW,
+        dp_slice,
+        init_parallel,
+    )
+    from mindspore import Tensor
+
+    cfg = get_preset(args.preset)
+    tokens, labels = _batch(cfg, args.global_batch, args.seq)
+    local = dp_slice({"t": tokens, "l": labels}, groups.dp_rank, 2)
+    t, lab = Tensor(local["t"]), Tensor(local["l"])
+    cells = {
+        "dp2_adamw_s": _adamw_step_cell(Llama(cfg), groups, zero=False, comm=True),
+        "zero1_compiled_s": _adamw_step_cell(Llama(cfg), groups, zero=True, comm=True),
+        "zero1_no_comm_s": _adamw_step_cell(Llama(cfg), groups, zero=True, comm=False),
+    }
+    runs = {k: [] for k in cells}
+    for _ in range(args.repeats):  # interleaved in the same process
+        for k, cell in cells.items():
+            runs[k].append(_time_steps(cell, t, lab, args.steps))
+    out = {k: statistics.median(v) for k, v in runs.items()}
+    out["zero1_state_values"] = cells["zero1_compiled_s"].zero.state_values
+    out["dp2_state_values"] = sum(cells["zero1_compiled_s"].zero.sizes)
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # the engine's mode (context.mode: pynative)
+    pcfg = ParallelConfig(dp=2, zero_stage=1)
+    g = init_parallel(pcfg, cfg)
+    engine = ParallelEngine(Llama(cfg), pcfg, g, micro_batch_size=args.global_batch // 2)
+    opt = ZeroAdamW(engine.params, engine.param_names, g, 1, comm_stats=engine.comm_stats)
+    batch = {"tokens": local["t"], "labels": local["l"]}
+    times, comm = [], []
+    for i in range(2 + args.engine_steps):
+        t0 = time.perf_counter()
+        _, grads = engine.forward_backward(batch)  # resets comm_stats
+        opt.step(grads, i + 1, 1e-3, weight_decay=0.1)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+            comm.append(engine.comm_stats.time_s)
+    out["zero1_engine_s"] = statistics.median(times)
+    out["zero1_engine_share"] = sum(comm) / sum(times)
+    return out
 
 
 def _time_engine(engine, tokens, labels, steps):
@@ -204,6 +320,8 @@ def worker(args) -> int:
         "tokens_per_s": args.global_batch * args.seq / ta,
         "comm_share": max(0.0, 1.0 - tb / ta),
     }
+    if args.zero:  # before --tp: both end in PyNative
+        res.update(zero_arms(args, groups))
     if args.tp:
         res.update(tp_arms(args, groups))
     Path(args.result_dir, f"rank{groups.rank}.json").write_text(json.dumps(res))
@@ -219,6 +337,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", action="store_true", help="also time tp2 compiled and engine")
     ap.add_argument("--tp-sp", action="store_true", help="tp2 arms with sequence parallel")
+    ap.add_argument(
+        "--zero",
+        action="store_true",
+        help="also time dp2 + ZeRO-1 compiled and engine, and dp2 AdamW compiled",
+    )
     ap.add_argument("--engine-steps", type=int, default=3, help="steps of the engine arm")
     ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
@@ -233,7 +356,7 @@ def main(argv=None) -> int:
 
     from mindloom_parallel import launch
 
-    single, dp2, shares, tp_rows = [], [], [], []
+    single, dp2, shares, tp_rows, zero_rows = [], [], [], [], []
     for _ in range(args.repeats):
         single.append(_subprocess_one(args))
         with tempfile.TemporaryDirectory() as d:
@@ -247,6 +370,14 @@ def main(argv=None) -> int:
             ranks = [json.loads(Path(d, f"rank{i}.json").read_text()) for i in (0, 1)]
         dp2.append(min(x["tokens_per_s"] for x in ranks))
         shares.append(statistics.mean(x["comm_share"] for x in ranks))
+        if args.zero:  # the slower rank's step; shares and state per rank
+            zero_rows.append({k: max(x[k] for x in ranks) for k in ranks[0] if k.startswith(
+                ("zero1_", "dp2_adamw", "dp2_state"))})  # fmt: skip
+            zero_rows[-1]["state"] = [x["zero1_state_values"] for x in ranks]
+            zero_rows[-1]["share"] = statistics.mean(
+                1 - x["zero1_no_comm_s"] / x["zero1_compiled_s"] for x in ranks
+            )
+            zero_rows[-1]["engine_share"] = statistics.mean(x["zero1_engine_share"] for x in ranks)
         if args.tp:  # the slower rank's step, as for dp2
             tp_rows.append({k: max(x[k] for x in ranks) for k in ("step_s", "tp2_compiled_s",
                                                                   "tp2_engine_s")})  # fmt: skip
@@ -258,6 +389,24 @@ def main(argv=None) -> int:
     print(f"dp2 (msrun) : {s2:10.0f} tokens/s   (runs: {', '.join(f'{x:.0f}' for x in dp2)})")
     print(f"ratio dp2 / one process: {s2 / s1:.2f}")
     print(f"communication share of the dp2 step (median): {statistics.median(shares):.1%}")
+    if zero_rows:
+        print("zero arms per launch (slower rank):", json.dumps(zero_rows))
+        med = {k: statistics.median(r[k] for r in zero_rows) for k in zero_rows[0]
+               if k != "state"}  # fmt: skip
+        base = med["dp2_adamw_s"] * 1e3
+        st, total = zero_rows[0]["state"], int(med["dp2_state_values"])
+        print(f"dp2 AdamW compiled     : {base:9.1f} ms/step   AdamW state {total} values per rank")
+        z = med["zero1_compiled_s"] * 1e3
+        print(
+            f"dp2 + ZeRO-1 compiled  : {z:9.1f} ms/step   ({z / base:.2f}x dp2 AdamW compiled; "
+            f"communication share {med['share']:.1%}; AdamW state per rank {st})"
+        )
+        e = med["zero1_engine_s"] * 1e3
+        print(
+            f"dp2 + ZeRO-1 engine    : {e:9.1f} ms/step   ({e / base:.2f}x dp2 AdamW compiled; "
+            f"communication share {med['engine_share']:.1%})"
+        )
+        print(f"ratio ZeRO-1 engine / compiled: {e / z:.1f}")
     if tp_rows:
         med = {k: statistics.median(r[k] for r in tp_rows) for k in tp_rows[0]}
         sp = " + sp" if args.tp_sp else ""
@@ -276,7 +425,8 @@ def _fwd(args):
         "--preset", args.preset, "--global-batch", str(args.global_batch),
         "--seq", str(args.seq), "--steps", str(args.steps), "--repeats", "2",
         "--engine-steps", str(args.engine_steps),
-    ] + (["--tp"] if args.tp else []) + (["--tp-sp"] if args.tp_sp else [])  # fmt: skip
+    ] + (["--tp"] if args.tp else []) + (["--tp-sp"] if args.tp_sp else []) + (
+        ["--zero"] if args.zero else [])  # fmt: skip
 
 
 def _subprocess_one(args) -> float:

@@ -44,7 +44,12 @@ LAYOUTS = {
     "tp2_sp_compiled": (dict(tp=2, sequence_parallel=True), "sgd", {}),
     "pp2": (dict(pp=2, micro_batch_num=4), "sgd", {}),
     "pp2_tied": (dict(pp=2, micro_batch_num=2), "sgd", {"tie_embeddings": True}),
+    # ZeRO-1 as one compiled step: GradReducer, owned-shard fused AdamW, owner share
+    "dp2_zero1_compiled": (dict(dp=2, zero_stage=1), "adamw", {}),
     "dp2_tp2": (dict(dp=2, tp=2), "sgd", {}),
+    # 4 workers: the TP region cells and the dp buckets in one compiled step
+    "dp2_tp2_compiled": (dict(dp=2, tp=2), "sgd", {}),
+    "dp2_tp2_sp_compiled": (dict(dp=2, tp=2, sequence_parallel=True), "sgd", {}),
     "dp2_pp2": (dict(dp=2, pp=2, micro_batch_num=2), "sgd", {}),
     "tp2_pp2_sp": (dict(tp=2, pp=2, micro_batch_num=2, sequence_parallel=True), "sgd", {}),
 }
@@ -316,7 +321,14 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
     import mindspore as ms
     from mindloom_model import get_preset
     from mindloom_model._llama import Llama
-    from mindloom_parallel import ParallelConfig, init_parallel, shard_tensor, tensor_layout
+    from mindloom_parallel import (
+        GradReducer,
+        ParallelConfig,
+        dp_slice,
+        init_parallel,
+        shard_tensor,
+        tensor_layout,
+    )
     from mindloom_parallel._tp_graph import (
         TPGradReducer,
         TPLlamaWithLoss,
@@ -324,6 +336,15 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
         parallelize_llama_graph,
     )
     from mindspore import Tensor, nn, ops
+
+    class MeanOver(nn.Cell):
+        def __init__(self, group_name, size):
+            super().__init__()
+            self.op = ops.AllReduce(ops.ReduceOp.SUM, group=group_name)
+            self.inv = 1.0 / size
+
+        def construct(self, x):
+            return self.op(x) * self.inv
 
     kw, kind, overrides = LAYOUTS[name]
     cfg = get_preset("debug", **overrides)
@@ -333,7 +354,20 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
     # group smaller than the world needs; tp2 the native AllGather of the world group
     native = not pcfg.sequence_parallel
     model = parallelize_llama_graph(Llama(cfg, seed=99), pcfg, groups, world_allgather=native)
-    net = TPLlamaWithLoss(model, groups.tp, world_allgather=native)
+    tp_net = TPLlamaWithLoss(model, groups.tp, world_allgather=native)
+
+    class Weighted(nn.Cell):
+        """dp > 1: this rank's token-mean loss times its share of the global batch's
+        tokens, so the dp sum of losses and gradients is the one-process token mean."""
+
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = tp_net
+
+        def construct(self, tokens, labels, pos, seg, mask, share):
+            return self.net(tokens, labels, pos, seg, mask) * share
+
+    net = Weighted()
     params = model.trainable_params()
     names = [p.name for p in params]
     layout = tensor_layout(cfg, pcfg)
@@ -347,13 +381,18 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
             self.net = net
             self.weights = ms.ParameterTuple(params)
             self.grad = ops.GradOperation(get_by_list=True)
-            self.reduce = TPGradReducer(params, names, groups, pcfg.sequence_parallel)
+            dp_red = GradReducer(params, groups.dp, 0.1) if pcfg.dp > 1 else None
+            self.reduce = TPGradReducer(params, names, groups, pcfg.sequence_parallel, dp_red)
             self.norm_sq = TPNormSquare(names, groups)
+            self.loss_sum = MeanOver(groups.dp.name, 1) if pcfg.dp > 1 else None
 
         @ms.jit
-        def construct(self, tokens, labels, pos, seg, mask):
-            loss = self.net(tokens, labels, pos, seg, mask)
-            grads = self.reduce(self.grad(self.net, self.weights)(tokens, labels, pos, seg, mask))
+        def construct(self, tokens, labels, pos, seg, mask, share):
+            loss = self.net(tokens, labels, pos, seg, mask, share)
+            grads = self.grad(self.net, self.weights)(tokens, labels, pos, seg, mask, share)
+            grads = self.reduce(grads)
+            if self.loss_sum is not None:
+                loss = self.loss_sum(loss)
             sq = ()
             for g in grads:
                 sq = sq + ((g * g).sum(),)
@@ -364,9 +403,11 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
     losses, norms = [], []
     t0 = time.perf_counter()
     for b in batches(cfg.vocab_size)[:steps]:
-        t = {k: Tensor(v) for k, v in b.items()}
+        local = dp_slice(b, groups.dp_rank, pcfg.dp)
+        share = Tensor(np.float32(local["loss_mask"].sum() / b["loss_mask"].sum()))
+        t = {k: Tensor(v) for k, v in local.items()}
         loss, norm, grads = step(t["tokens"], t["labels"], t["position_ids"],
-                                 t["segment_ids"], t["loss_mask"])  # fmt: skip
+                                 t["segment_ids"], t["loss_mask"], share)  # fmt: skip
         opt.step(grads)
         losses.append(float(loss.asnumpy()))
         norms.append(float(norm.asnumpy()))
@@ -378,7 +419,99 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
             "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
-RUNNERS = {"dp2_compiled": run_compiled_dp, "tp2_mlp_compiled": run_mlp_compiled,
+def run_compiled_zero(name: str, out: Path, steps: int = STEPS) -> dict:
+    """dp2 + ZeRO-1 as ONE compiled graph per step: forward, backward, the bucketed
+    GradReducer, the fused AdamW on this rank's owned parameters (ZeroShardUpdate.update)
+    and the owners' values shared with the other replica (ZeroShardUpdate.share)."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import (
+        GradReducer,
+        ParallelConfig,
+        ZeroAdamW,
+        ZeroShardUpdate,
+        adamw_scalars,
+        dp_slice,
+        init_parallel,
+    )
+    from mindspore import Tensor, nn, ops
+
+    kw, kind, overrides = LAYOUTS[name]
+    cfg = get_preset("debug", **overrides)
+    pcfg = ParallelConfig(**kw)
+    groups = init_parallel(pcfg, cfg)
+    model = Llama(cfg, seed=99)
+    params = model.trainable_params()
+    names = [n for n, _ in model.parameters_and_names()]
+    full = Llama_state(cfg)
+    for n, p in zip(names, params):  # the checkpoint path: full tensors loaded in place
+        ops.assign(p, Tensor(full[n]))
+
+    class Loss(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.model = model
+
+        def construct(self, tokens, labels, pos, seg, mask, denom):
+            logits = self.model(tokens, pos, seg)
+            logp = ops.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
+            nll = -ops.gather_elements(logp, 1, labels.reshape(-1, 1)).reshape(-1)
+            return (nll * mask.reshape(-1)).sum() / denom
+
+    zero = ZeroShardUpdate(params, groups.dp, [1.0] * len(params), bucket_size_mb=0.1)
+
+    class Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.loss = Loss()
+            self.weights = ms.ParameterTuple(params)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.reducer = GradReducer(params, groups.dp, bucket_size_mb=0.1)
+            self.zero = zero
+            self.sum = ops.AllReduce(ops.ReduceOp.SUM, group=groups.dp.name)
+
+        @ms.jit
+        def construct(self, tokens, labels, pos, seg, mask, denom, h):
+            loss = self.loss(tokens, labels, pos, seg, mask, denom)
+            grads = self.grad(self.loss, self.weights)(tokens, labels, pos, seg, mask, denom)
+            grads = self.reducer(grads)
+            # after the buckets: each rank's graph differs, the collectives' order must not
+            loss = self.sum(ops.depend(loss.reshape((1,)), grads))
+            loss = self.zero.update(grads, h[0], h[1], h[2], h[3], h[4], h[5], loss)
+            return self.zero.share(loss)
+
+    step = Step()
+    assert len(zero.plan) > 1  # several share buckets
+    losses = []
+    t0 = time.perf_counter()
+    for t, b in enumerate(batches(cfg.vocab_size)[:steps], 1):
+        denom = Tensor(np.float32(b["loss_mask"].sum()))
+        loc = {k: Tensor(v) for k, v in dp_slice(b, groups.dp_rank, 2).items()}
+        lr, eps, wd = adamw_scalars(t, ADAM_LR, 0.9, 0.95, 1e-8, ADAM_WD)
+        h = Tensor(np.array([1.0, lr, 0.9, 0.95, eps, wd], np.float32))
+        loss = step(loc["tokens"], loc["labels"], loc["position_ids"], loc["segment_ids"],
+                    loc["loss_mask"], denom, h)  # fmt: skip
+        losses.append(float(loss.asnumpy()[0]))
+    seconds = time.perf_counter() - t0
+    np.savez(
+        out / f"{name}_rank{groups.rank}.npz", **{n: p.asnumpy() for n, p in zip(names, params)}
+    )
+    # the full moments: a ZeroAdamW over the cell's own moment tensors gathers them (the
+    # trainer's checkpoint path, _zero_step)
+    io = ZeroAdamW(params, names, groups, 1)
+    io.exp_avg = dict(zip(zero.owned, zero.exp_avg))
+    io.exp_avg_sq = dict(zip(zero.owned, zero.exp_avg_sq))
+    state = {f"{k.split('.', 1)[1]}.{k.split('.', 1)[0]}": v
+             for k, v in io.gather_moments().items()}  # fmt: skip
+    np.savez(out / f"{name}_optim_rank{groups.rank}.npz", **state)
+    return {"losses": losses, "grad_norms": [], "comm_share": None, "rank": groups.rank,
+            "seconds": seconds, "state_values": zero.state_values,
+            "moment_tensors": len(zero.exp_avg), "values": sum(zero.sizes)}  # fmt: skip
+
+
+RUNNERS = {"dp2_compiled": run_compiled_dp, "dp2_zero1_compiled": run_compiled_zero,
+           "dp2_tp2_compiled": run_compiled_tp, "dp2_tp2_sp_compiled": run_compiled_tp, "tp2_mlp_compiled": run_mlp_compiled,
            "tp2_compiled": run_compiled_tp, "tp2_sp_compiled": run_compiled_tp}  # fmt: skip
 
 

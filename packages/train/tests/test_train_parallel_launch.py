@@ -2,7 +2,7 @@
 
 One reference run on one process, one tp=2 launch with sequence parallelism (the compiled
 step, `_tp_step`, since issue 16: context.mode graph is the default), one pp=2
-launch (2 micro-batches) and one dp=2 ZeRO-1 launch, all with tied embeddings (so pp2 sums
+launch (2 micro-batches) and one dp=2 ZeRO-1 launch (the compiled step, `_zero_step`), all with tied embeddings (so pp2 sums
 the embedding's gradient over its first and last stage); every assertion below reuses
 them: losses, final weights and AdamW moments against the one-process run, comm fields in
 metrics.jsonl, checkpoint metadata, and resume of each layout's checkpoint on one process.
@@ -199,6 +199,9 @@ def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
     one-process model; a fault on rank 1 alone (an infinite gradient and a SIGTERM at step
     3) makes BOTH ranks skip that update and stop after it, with a checkpoint."""
     got, ref = step_records(runs["zero1"]), step_records(runs["ref"])
+    # the compiled ZeRO-1 step (_zero_step), each rank holding AdamW state for its part
+    for log in (runs["zero1"] / "msrun_logs").glob("worker_*.log"):
+        assert "compiled data parallel + ZeRO-1 (GRAPH_MODE)" in log.read_text(errors="replace")
     assert sorted(got) == [1, 2, 3]
     for step in (1, 2, 3):  # step 3's loss is computed before its update is skipped
         assert got[step]["step_loss"] == pytest.approx(ref[step]["step_loss"], rel=1e-5)
@@ -349,4 +352,8 @@ def test_per_rank_fields_are_each_ranks_own(runs):
         peak, rank, _ = re.findall(_PEAK_LINE, log.read_text(errors="replace"))[-1]
         logged[int(rank)] = float(peak)
     last = recs[3]["mem_peak_mb_ranks"]
-    assert all(last[r] <= logged[r] + 0.1 for r in (0, 1)), (last, logged)
+    # VmHWM is max(the high-water mark the kernel records at unmap, the resident set now):
+    # memory handed back otherwise (madvise) lowers it slightly; seen on the compiled
+    # ZeRO-1 step: 0.16 and 0.27 MiB below the record's value. A swapped or duplicated
+    # row is off by the 64 MiB ballast.
+    assert all(last[r] <= logged[r] + 1.0 for r in (0, 1)), (last, logged)

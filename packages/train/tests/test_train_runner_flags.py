@@ -46,3 +46,26 @@ def test_tensor_parallel_compiles_in_graph_mode_and_keeps_the_engine_in_pynative
         dims = ParallelDims(**kw)
         assert compiled_tp(dims, mode) is want, (kw, mode)
         assert dims.needs_engine == (kw.get("tp", 1) > 1 or "pp" in kw or "zero_stage" in kw)
+
+
+def test_zero1_compiles_for_plain_data_parallel_in_graph_mode_only():
+    """The one choice of step for ZeRO-1 (issue 16): dp > 1 with zero_stage 1 and neither
+    tp nor pp is the compiled step (_zero_step) in graph mode; pynative, tp or pp with it,
+    or dp = 1 keep the engine; tp and ZeRO-1 never both claim a layout."""
+    from mindloom_parallel import ParallelDims
+    from mindloom_train._tp_step import compiled_tp
+    from mindloom_train._zero_step import compiled_zero
+
+    cases = [
+        (dict(dp=2, zero_stage=1), "graph", True),
+        (dict(dp=4, zero_stage=1), "graph", True),
+        (dict(dp=2, zero_stage=1), "pynative", False),
+        (dict(dp=2, tp=2, zero_stage=1), "graph", False),
+        (dict(dp=2, pp=2, zero_stage=1), "graph", False),
+        (dict(zero_stage=1), "graph", False),
+        (dict(dp=2), "graph", False),
+    ]
+    for kw, mode, want in cases:
+        dims = ParallelDims(**kw)
+        assert compiled_zero(dims, mode) is want, (kw, mode)
+        assert not (compiled_zero(dims, mode) and compiled_tp(dims, mode))

@@ -60,6 +60,7 @@ __all__ = [
     "TPLlamaWithLoss",
     "TPNormSquare",
     "ZeroAdamW",
+    "ZeroShardUpdate",
     "adamw_scalars",
     "assemble_state",
     "assemble_tensor",
@@ -102,6 +103,7 @@ _LAZY = {
     "TPLlamaWithLoss": "_tp_graph",
     "TPNormSquare": "_tp_graph",
     "ZeroAdamW": "_zero",
+    "ZeroShardUpdate": "_zero_graph",
     "gather_rows": "_zero",
     "vocab_start": "_tp",
 }

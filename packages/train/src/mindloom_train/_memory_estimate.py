@@ -172,8 +172,8 @@ def _layout(cfg, mcfg, nproc: int | None) -> _Layout:
     if mcfg.num_layers % pp:
         raise _cfg_error(f"config parallelism: pp={pp} does not divide {mcfg.num_layers} layers")
     engine = world > 1 and (tp > 1 or pp > 1 or zero)
-    if engine and pp == 1 and not zero and cfg.context.mode == "graph":
-        engine = False  # tensor parallel alone is a compiled step (_tp_step.compiled_tp)
+    if engine and pp == 1 and (not zero or tp == 1) and cfg.context.mode == "graph":
+        engine = False  # tp alone, dp + ZeRO-1: compiled steps (_tp_step, _zero_step)
     micro = p.micro_batch_num if (p.micro_batch_num > 1 or pp > 1) else cfg.grad_accum_steps
     if not engine:
         micro = cfg.grad_accum_steps

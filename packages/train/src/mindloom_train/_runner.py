@@ -91,8 +91,18 @@ class CompiledRunner:
             self.comm_probe = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
             self._probe_grads = tuple(ms.Tensor(np.zeros(q.shape, np.float32)) for q in self.params)
             self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
+        self.zero = None  # ZeRO-1: the owned-shard update inside the step (_zero_step)
+        if getattr(runtime, "compiled_zero", False):
+            from mindloom_train._zero_step import CompiledZero
+
+            self.zero = CompiledZero(self.params, cfg, runtime, flags, log)
         self.moe_parts, self.moe_window = None, None
         eval_net = built.loss_net
+        if isinstance(built.loss_net, MoELossNet) and self.zero is not None:
+            from mindloom_train._config import ConfigError
+
+            raise ConfigError("config parallelism: family deepseek_v3 trains under plain data "
+                              "parallel only (zero_stage is not wired for MoE yet)")  # fmt: skip
         if isinstance(built.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
             dp_name = runtime.groups.dp.name if runtime.groups is not None and dp_size > 1 else None
             self.moe_parts = MoEStepParts(self.model, dp_name, dp_size)
@@ -101,7 +111,7 @@ class CompiledRunner:
             eval_net = MoEEvalNet(self.model)
         self.train_step = _step.TrainStep(
             built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
-            norm_reducer=norm_red,
+            norm_reducer=norm_red, zero=self.zero.cell if self.zero is not None else None,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach(self.train_step, flags)
@@ -128,6 +138,9 @@ class CompiledRunner:
             return
         if self.tp is not None:  # per-tensor statistics of local shards: not wired yet
             log("monitor: numerics and max_logits are not computed under tensor parallel")
+            return
+        if self.zero is not None:  # moments of the owned parameters only: not wired yet
+            log("monitor: numerics and max_logits are not computed under ZeRO-1")
             return
         self.numerics = NumericsFields(weights, mon.log_interval, cfg.training.train_iters)
         loss_net = built.loss_net
@@ -227,6 +240,8 @@ class CompiledRunner:
         rank's shards to rank 0 (the engine path's files)."""
         if self.tp is not None:
             return self.tp.checkpoint_shards(self.rt.world)
+        if self.zero is not None:
+            return self.zero.checkpoint_shards(self.mcfg, self.rt.world)
         if self.rt.rank != 0:
             return None
         opt = {p.name: p.asnumpy() for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq)}
@@ -242,6 +257,8 @@ class CompiledRunner:
         opt_names = ("exp_avg.", "exp_avg_sq.")
         weights = {k: v for k, v in arrays.items() if not k.startswith(opt_names)}
         load_params(self.params + self.buffers, weights, where)
+        if self.zero is not None:
+            return self.zero.load_moments(arrays, self.mcfg)
         opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
         load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
 

@@ -103,8 +103,12 @@ class TrainStep(_Base):
         numerics: bool = False,
         share: TrainStep | None = None,
         norm_reducer: nn.Cell | None = None,
+        zero: nn.Cell | None = None,
     ):
         super().__init__(auto_prefix=False)
+        # ZeRO-1 (mindloom_parallel.ZeroShardUpdate): AdamW on the owned parameters only,
+        # with their moments, then the owners' values shared with every replica
+        self.zero = zero
         self.loss_net = loss_net
         self.weights = weights
         self.flags = flags
@@ -113,7 +117,12 @@ class TrainStep(_Base):
         self.numerics = numerics
         self.views = tuple(sum_view(int(np.prod(p.shape))) for p in weights) if numerics else ()
         self.accum_steps = accum_steps
-        if share is not None:
+        if zero is not None:
+            self.exp_avg, self.exp_avg_sq = zero.exp_avg, zero.exp_avg_sq
+            self.acc = None
+            if accum_steps > 1:
+                self._own_state(weights, accum_steps, moments=False)
+        elif share is not None:
             # a second graph of the same step (numerics on, called at log steps only): it
             # updates the very same moments and accumulation buffers as `share`
             self.exp_avg, self.exp_avg_sq, self.acc = share.exp_avg, share.exp_avg_sq, share.acc
@@ -128,7 +137,12 @@ class TrainStep(_Base):
         # the expert biases after an applied update
         self.moe = moe
 
-    def _own_state(self, weights, accum_steps: int) -> None:
+    def _own_state(self, weights, accum_steps: int, moments: bool = True) -> None:
+        if not moments:
+            self.acc = ms.ParameterTuple(
+                [Parameter(np.zeros(p.shape, np.float32), name="grad_acc." + p.name, requires_grad=False) for p in weights]
+            )  # fmt: skip
+            return
         self.exp_avg = ms.ParameterTuple(
             [Parameter(np.zeros(p.shape, np.float32), name="exp_avg." + p.name, requires_grad=False) for p in weights]
         )  # fmt: skip
@@ -165,14 +179,21 @@ class TrainStep(_Base):
             grads = out
         # mean micro-batch loss over the step; then test-only poison (0.0 = exact no-op)
         loss = (loss.astype(ms.float32) + hyper[H_PREV_LOSS]) / hyper[H_NMICRO] + hyper[H_LPOISON]
+        if self.zero is not None:
+            # test-only poison before the reduction: one rank's Inf reaches every rank's
+            # norm, so all skip together (ZeRO-1 replicas must take the same branch)
+            grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         if self.grad_reducer is not None:
             grads = self.grad_reducer(grads)
         stop = hyper[H_STOP]
+        if self.zero is not None:  # one order of collectives on ranks whose graphs differ
+            loss = ops.depend(loss, grads)
         if self.loss_reducer is not None:
             # one all-reduce carries the loss and the stop flag: every rank agrees on both
             both = self.loss_reducer(ops.concat((loss.reshape(1), stop.reshape(1))))
             loss, stop = both[0], both[1]
-        grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
+        if self.zero is None:
+            grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         sq = ()
         for g in grads:
             flat = g.astype(ms.float32).reshape(1, -1)
@@ -191,7 +212,13 @@ class TrainStep(_Base):
             # copies of the weights as they were; each update below waits for its copy
             for i in range(len(grads)):
                 before = before + (self.weights[i] * 1.0,)
-        if ok:
+        if self.zero is not None:
+            if ok:
+                loss = self.zero.update(grads, factor, hyper[H_LR], hyper[H_B1], hyper[H_B2],
+                                        hyper[H_EPS], hyper[H_WD], loss)  # fmt: skip
+            # outside the branch: every rank joins the share whether the update ran or not
+            loss = self.zero.share(loss)
+        elif ok:
             for i in range(len(grads)):
                 g_in = grads[i].astype(ms.float32) * factor
                 if self.numerics:
