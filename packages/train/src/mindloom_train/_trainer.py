@@ -378,7 +378,8 @@ class Trainer:
         if self.memory_estimate is None or self._peak_logged:
             return
         self._peak_logged = True
-        log_peak_memory(self.log, self.memory_estimate, self.rt.rank)
+        cached = graphs is not None and graphs.enabled and graphs.hits > 0 and not graphs.misses
+        log_peak_memory(self.log, self.memory_estimate, self.rt.rank, compiled=not cached)
 
     def _log_error(self, reason: str) -> None:
         self._log_peak_memory()
