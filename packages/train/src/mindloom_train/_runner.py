@@ -236,6 +236,16 @@ class CompiledRunner:
         }
         return shards, ck.default_metadata(shards, self.rt.world)
 
+    def own_shards(self):
+        """Tensor parallel: the files this rank writes itself (a distributed checkpoint).
+        Plain data parallel keeps `checkpoint_shards`: rank 0, the first replica, holds
+        and writes everything, with nothing gathered."""
+        return self.tp.layout_state(self.train_step).own_shards(zero=False) if self.tp else None
+
+    def load_plan(self):
+        """Tensor parallel: the blocks this rank reads at resume (balanced loading)."""
+        return self.tp.layout_state(self.train_step) if self.tp is not None else None
+
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load(arrays, where)
