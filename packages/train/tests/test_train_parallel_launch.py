@@ -534,3 +534,23 @@ def test_every_rank_logs_its_own_state_bytes(runs):
             assert opt == [2 * params, 2 * params]
         else:
             assert sum(opt) == 2 * params and all(0 < o < 2 * params for o in opt), opt
+
+
+@pytest.mark.msrun
+def test_zero1_replicas_write_weights_once_and_each_its_own_moments(runs):
+    """The ZeRO-1 launch's SIGTERM save (step 3): the weights once (replica 0's file), the
+    AdamW moments from both ranks (each the parameters it owns), each moment tensor in
+    exactly one rank's optimizer file; the reassembled tensors are
+    `test_zero1_matches_and_ranks_agree_on_skips_and_stops`'s."""
+    meta = json.loads(
+        (runs["zero1"] / "checkpoints" / "step_00000003" / "metadata.json").read_text()
+    )
+    files = {c["file"] for e in meta["tensors"].values() for c in e["chunks"]}
+    assert files == {"model-0000000-0000002.safetensors", "optim-0000000-0000002.safetensors",
+                     "optim-0000001-0000002.safetensors"}  # fmt: skip
+    by_rank = {0: 0, 1: 0}
+    for name, entry in meta["tensors"].items():
+        assert len(entry["chunks"]) == 1, name  # dp replicas: never a block twice
+        if name.startswith("exp_avg."):
+            by_rank[int(entry["chunks"][0]["file"].split("-")[1])] += 1
+    assert by_rank[0] > 0 and by_rank[1] > 0, by_rank
