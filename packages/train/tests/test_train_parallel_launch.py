@@ -437,6 +437,12 @@ def test_tp2_written_per_rank_resumes_bit_exact_after_sigterm(runs):
     """tp2_b: SIGTERM at step 3, both ranks write their own files of step 3 (no gather),
     then the relaunch resumes from it: step 4 and the final weights and moments equal the
     uninterrupted tp2_sp run's bit for bit."""
+    # tp2_sp's step 2, the one resumed here, was written per rank in the background
+    # (async_save) and committed after training moved on (at the first step both writers
+    # were done by: 3 unless a writer was slower than a step)
+    bg = events(runs["tp2_sp"], "checkpoint")[0]
+    assert (bg["step"], bg["per_rank"], bg["background"]) == (2, True, True)
+    assert bg["completed_at_step"] in (3, 4)
     stopped = [json.loads(x) for x in runs["tp2_b_stopped"].splitlines()]
     ends = [r for r in stopped if r.get("event") == "end"]
     assert ends[-1]["status"] == "stopped" and ends[-1]["step"] == 3
