@@ -15,9 +15,16 @@ replaced (temp + fsync + rename) after that, and only then are old steps deleted
 never unpickles anything: JSON and Safetensors only, every header checked before a byte of
 tensor data is trusted, every file name contained in its directory.
 
+Under a tensor / pipeline / ZeRO-1 layout every rank writes the files of the blocks it
+owns into the same `.tmp-step_XXXXXXXX` (`write_rank_files`, each file fsynced, then the
+rank's index); after a barrier over every rank, rank 0 merges the indexes into
+metadata.json and commits (`commit_rank_files`): a rank that dies mid-write leaves no
+commit, and `latest` on the previous step.
+
 The parts: `_ckpt_files` (names, atomic writes, the codec), `_ckpt_save` (writing a step,
-`latest`, retention, stale saves), `_ckpt_checks` (what the JSON may say); this module
-reads a step back (`Checkpoint`) and picks the one to resume from.
+`latest`, retention, stale saves, the per-rank writes), `_ckpt_checks` (what the JSON may
+say), `_ckpt_read` (byte-range reads of the blocks a rank needs); this module reads a step
+back (`Checkpoint`) and picks the one to resume from.
 """
 
 from __future__ import annotations
@@ -46,14 +53,18 @@ from mindloom_train._ckpt_files import (
     shard_name,
     step_dirname,
 )
+from mindloom_train._ckpt_read import read_boxes
 from mindloom_train._ckpt_save import (
+    abort_rank_files,
     apply_retention,
     clean_stale_saves,
+    commit_rank_files,
     complete_steps,
     default_metadata,
     read_tracker,
     save_checkpoint,
     stale_temp_dirs,
+    write_rank_files,
 )
 from mindloom_train._errors import CheckpointError
 
@@ -68,10 +79,12 @@ __all__ = [
     "TRACKER_RE",
     "Checkpoint",
     "CheckpointError",
+    "abort_rank_files",
     "apply_retention",
     "atomic_write",
     "check_tensor_names",
     "clean_stale_saves",
+    "commit_rank_files",
     "complete_steps",
     "default_metadata",
     "encode_safetensors",
@@ -84,6 +97,7 @@ __all__ = [
     "shard_name",
     "stale_temp_dirs",
     "step_dirname",
+    "write_rank_files",
 ]
 
 
@@ -155,40 +169,13 @@ class Checkpoint:
 
     def load_tensors(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Tensors by name, reassembled to their global shapes from their chunks."""
-        table = self.metadata["tensors"]
-        wanted = list(table) if names is None else list(names)
-        cache: dict[str, dict[str, np.ndarray]] = {}
-        out = {}
-        for name in wanted:
-            entry = table.get(name)
-            if entry is None:
-                raise CheckpointError(f"{self.path}: tensor {name!r} is not in metadata.json")
-            chunks = entry.get("chunks") or [{"file": entry["file"], "offset": None}]
-            shape = [int(d) for d in entry.get("global_shape", [])]
-            full = None
-            for chunk in chunks:
-                fname = chunk["file"]
-                if fname not in cache:
-                    cache[fname] = load_safetensors(self.files[fname])
-                key = chunk.get("key", name)
-                if key not in cache[fname]:
-                    raise CheckpointError(f"{self.files[fname]}: tensor {key!r} is missing")
-                part = cache[fname][key]
-                if len(chunks) == 1 and list(part.shape) == shape:
-                    full = part
-                    break
-                if full is None:
-                    full = np.zeros(shape, dtype=part.dtype)
-                off = chunk.get("offset") or [0] * part.ndim
-                idx = tuple(slice(o, o + s) for o, s in zip(off, part.shape))
-                full[idx] = part
-            if full is None or list(full.shape) != shape:
-                raise CheckpointError(
-                    f"{self.path}: tensor {name!r} has shape {None if full is None else list(full.shape)}, "
-                    f"metadata.json says {shape}"
-                )
-            out[name] = full
-        return out
+        wanted = list(self.metadata["tensors"]) if names is None else list(names)
+        return self.read_boxes({n: None for n in wanted})
+
+    def read_boxes(self, boxes: dict) -> dict[str, np.ndarray]:
+        """name -> its block (global offset, shape; None: the whole tensor), read from the
+        shards that hold it, only the bytes of the block (`_ckpt_read`)."""
+        return read_boxes(self.metadata["tensors"], self.files, boxes, str(self.path))
 
 
 def find_resumable(

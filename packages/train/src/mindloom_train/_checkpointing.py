@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mindloom_train import _checkpoint as ck
+from mindloom_train._ckpt_dist import DistributedCheckpoints, PendingSave
 from mindloom_train._config import Config, ConfigError, drift_hash, show
 from mindloom_train._errors import TrainError
 from mindloom_train._schedule import schedule_signature
@@ -32,19 +33,7 @@ class RunIdentity:
     data_contract: dict | None
 
 
-@dataclass
-class _PendingSave:
-    step: int
-    reason: str
-    t0: float
-    snapshot_s: float
-    thread: threading.Thread | None = None
-    path: Path | None = None
-    error: BaseException | None = None
-    t1: float = 0.0
-
-
-class CheckpointManager:
+class CheckpointManager(DistributedCheckpoints):
     def __init__(self, cfg: Config, runtime, state: TrainState, runner, built, *,
                  save_path: Path, log, metrics, fault, identity: RunIdentity):  # fmt: skip
         self.cfg, self.rt, self.state, self.runner = cfg, runtime, state, runner
@@ -54,7 +43,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self.resumed_from: str | None = None
         self.last_eval_at: tuple[int, float] | None = None  # (step, loss) of the last evaluation
-        self._pending: _PendingSave | None = None  # the background write, at most one
+        self._pending: PendingSave | None = None  # the background write, at most one
 
     # ------------------------------------------------------------------ save
 
@@ -113,6 +102,9 @@ class CheckpointManager:
         """
         self.wait_pending()
         t0 = time.perf_counter()
+        own = self._own_shards()
+        if own is not None:
+            return self._save_distributed(step, reason, background, t0, own)
         out = self.runner.checkpoint_shards()  # a collective on the engine path
         if out is None:  # another rank writes
             self.last_saved_step = step
@@ -134,7 +126,7 @@ class CheckpointManager:
             path = ck.save_checkpoint(self.save_path, step, shards, common, **kwargs)
             self._saved(step, reason, path, time.perf_counter() - t0)
             return path
-        job = _PendingSave(step, reason, t0, time.perf_counter() - t0)
+        job = PendingSave(step, reason, t0, time.perf_counter() - t0)
 
         def write() -> None:
             try:
@@ -178,6 +170,8 @@ class CheckpointManager:
     def poll_pending(self, wait: bool = False) -> None:
         """Report a finished background save (log, event); raise if it failed."""
         job = self._pending
+        if job is not None and job.dist is not None:
+            return self._poll_distributed(job, wait)
         if job is None or (not wait and job.thread.is_alive()):
             return
         job.thread.join()
@@ -197,6 +191,15 @@ class CheckpointManager:
     def finish_pending(self) -> None:
         """On the way out of the loop: never leave a write behind, never hide its failure."""
         failing = sys.exc_info()[1] is not None
+        job = self._pending
+        if failing and job is not None and job.dist is not None:
+            # no barrier on the way out of a failure (the other ranks may never reach it):
+            # the step stays uncommitted, `latest` on the previous one
+            if job.thread is not None:
+                job.thread.join()
+            self._pending = None
+            self.log(f"checkpoint: step {job.step} left uncommitted (the run is failing)")
+            return
         try:
             self.wait_pending()
         except Exception as exc:
@@ -243,12 +246,10 @@ class CheckpointManager:
                 f"({', '.join(f'{k}: {old.get(k)!r} -> {sig[k]!r}' for k in diff)}); "
                 "set checkpoint.override_schedule=true to accept"
             )
-        # global tensors, whatever layout wrote them (chunks reassembled)
-        tensors = ckpt.load_tensors()
         saved = (ckpt.metadata.get("layout") or {}).get("parallel")
         if saved:
             self.log(f"checkpoint: written under layout {saved}")
-        self.runner.load(tensors, where)
+        self._load_state(ckpt, where, weights_only=False)
         self.state.restore(common, cfg.training.global_batch_size, where, self.log, ckpt.step)
         self.resumed_from = str(ckpt.path)
         self.log(
@@ -267,7 +268,7 @@ class CheckpointManager:
         missing = [n for n in names if n not in have]
         if missing:
             raise TrainError(f"checkpoint.init_from: {src.path} has no tensor {missing[0]!r}")
-        self.runner.load_weights(src.load_tensors(names), str(src.path))
+        self._load_state(src, str(src.path), weights_only=True)
         self.log(
             f"checkpoint: weights from {src.path} (step {src.step}); fresh optimizer state "
             "and LR schedule (continued pretraining)"

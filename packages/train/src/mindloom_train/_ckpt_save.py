@@ -84,27 +84,150 @@ def save_checkpoint(
             write_file(tmp / "manifest.json", json_bytes({"sha256": manifest}))
             written += 1
             progress(step, written)
-        # common.json last: a directory without it is incomplete by definition
-        write_file(tmp / "common.json", json_bytes({**common, "step": step}))
-        written += 1
-        progress(step, written)
-        fsync_dir(tmp)
-        if final.exists():  # re-saving a step (after going back): swap, then drop the old
-            trash = save_path / f".old-{step_dirname(step)}-{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(save_path)
+        _finish_dir(tmp, final, save_path, step, common, progress, written)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _commit(save_path, step, keep_last, progress)
+    return final
+
+
+def _finish_dir(tmp: Path, final: Path, save_path: Path, step: int, common: dict,
+                progress, written: int) -> None:  # fmt: skip
+    """common.json last inside `tmp` (a directory without it is incomplete by definition),
+    then `tmp` renamed to `final`."""
+    write_file(tmp / "common.json", json_bytes({**common, "step": step}))
+    written += 1
+    progress(step, written)
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step (after going back): swap, then drop the old
+        trash = save_path / f".old-{step_dirname(step)}-{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(save_path)
+
+
+def _commit(save_path: Path, step: int, keep_last: int, progress) -> None:
+    """`latest` names the step, then retention: only after the step is complete."""
     progress(step, "tracker")
     atomic_write(save_path / TRACKER, f"{step}\n".encode())
     os.chmod(save_path / TRACKER, FILE_MODE)
     apply_retention(save_path, keep_last, protect=step)
+
+
+# ---------------------------------------------------------------------------------------
+# distributed saves: every rank writes its own files into the same temporary directory;
+# rank 0 merges the ranks' indexes into metadata.json and commits, after a barrier
+
+
+def rank_index_name(rank: int, world: int) -> str:
+    return f"index-{rank:07d}-{world:07d}.json"
+
+
+def temp_dir(save_path: Path, step: int) -> Path:
+    return Path(os.path.realpath(save_path)) / f".tmp-{step_dirname(step)}"
+
+
+def write_rank_files(
+    save_path: Path,
+    step: int,
+    files: dict[str, dict[str, np.ndarray]],
+    tensors: dict[str, dict],
+    rank: int,
+    world: int,
+    on_progress: Callable[[int, int | str], None] | None = None,
+) -> Path:
+    """This rank's part of step `step`: its shard files, each fsynced, then its index (the
+    metadata.json entries of the chunks it wrote), last. Nothing is committed here."""
+    tmp = temp_dir(save_path, step)
+    make_dir(tmp.parent)
+    make_dir(tmp)
+    progress = on_progress or (lambda _s, _n: None)
+    written = 0
+    progress(step, written)
+    for fname, group in files.items():
+        write_file(tmp / fname, encode_safetensors(group))
+        written += 1
+        progress(step, written)
+    index = {"rank": rank, "world_size": world, "files": sorted(files), "tensors": tensors}
+    write_file(tmp / rank_index_name(rank, world), json_bytes(index))
+    fsync_dir(tmp)
+    return tmp
+
+
+def merge_indexes(tmp: Path, world: int) -> dict[str, dict]:
+    """metadata.json's tensor table from every rank's index: each tensor's chunks from
+    whichever ranks wrote them, checked to tile its global shape exactly against the
+    shards' own headers (a rank that did not finish, or a block written twice, is an
+    error here, before anything is committed)."""
+    from mindloom_train._ckpt_checks import check_tensor_table
+    from mindloom_train._ckpt_files import read_json, read_safetensors_header
+
+    tensors: dict[str, dict] = {}
+    files: set[str] = set()
+    for rank in range(world):
+        path = tmp / rank_index_name(rank, world)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing: rank {rank} did not finish its files")
+        index = read_json(path)
+        files.update(index.get("files", []))
+        for name, entry in index.get("tensors", {}).items():
+            have = tensors.get(name)
+            if have is None:
+                tensors[name] = {**entry, "chunks": list(entry["chunks"])}
+                continue
+            for key in ("global_shape", "dtype", "split"):
+                if have.get(key) != entry.get(key):
+                    raise CheckpointError(f"{path}: tensor {name!r}: {key} {entry.get(key)} "
+                                          f"differs from another rank's {have.get(key)}")  # fmt: skip
+            have["chunks"].extend(entry["chunks"])
+    for entry in tensors.values():
+        entry["chunks"].sort(key=lambda c: c["offset"])
+        entry["file"] = entry["chunks"][0]["file"]
+    headers = {f: read_safetensors_header(tmp / f)[0] for f in sorted(files)}
+    check_tensor_table(tensors, headers, str(tmp / "metadata.json"))
+    return tensors
+
+
+def commit_rank_files(
+    save_path: Path,
+    step: int,
+    world: int,
+    metadata: dict,
+    common: dict[str, Any],
+    *,
+    keep_last: int = 2,
+    verify_integrity: bool = False,
+    on_progress: Callable[[int, int | str], None] | None = None,
+) -> Path:
+    """Rank 0, after every rank has written its files (the barrier): metadata.json from
+    the ranks' indexes, the manifest, common.json, the rename, then `latest`."""
+    save_path = Path(os.path.realpath(save_path))
+    tmp, final = temp_dir(save_path, step), save_path / step_dirname(step)
+    progress = on_progress or (lambda _s, _n: None)
+    try:
+        meta = {**metadata, "tensors": merge_indexes(tmp, world)}
+        write_file(tmp / "metadata.json", json_bytes(meta))
+        for rank in range(world):
+            (tmp / rank_index_name(rank, world)).unlink()
+        if verify_integrity:
+            names = sorted({c["file"] for e in meta["tensors"].values() for c in e["chunks"]})
+            manifest = {n: sha256_file(tmp / n) for n in [*names, "metadata.json"]}
+            write_file(tmp / "manifest.json", json_bytes({"sha256": manifest}))
+        _finish_dir(tmp, final, save_path, step, common, progress, 0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _commit(save_path, step, keep_last, progress)
     return final
+
+
+def abort_rank_files(save_path: Path, step: int) -> None:
+    """Rank 0, after the barrier, when some rank failed: the partial step is removed."""
+    shutil.rmtree(temp_dir(save_path, step), ignore_errors=True)
 
 
 def complete_steps(save_path: Path) -> list[int]:

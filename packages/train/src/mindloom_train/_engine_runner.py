@@ -65,6 +65,24 @@ class EngineRunner:
         metadata["tensors"], _ = chunk_metadata(self.mcfg, self.rt.pcfg, self.rt.world)
         return shards, metadata
 
+    def _layout_state(self):
+        """This rank's weights and the moments it holds, by global name (`_ckpt_own`)."""
+        from mindloom_train._ckpt_own import LayoutState
+
+        opt = self.par.opt
+        moments = [(opt.exp_avg[i], opt.exp_avg_sq[i]) if i in opt.exp_avg else None
+                   for i in range(len(self.par.names))]  # fmt: skip
+        return LayoutState(self.mcfg, self.rt.pcfg, self.rt.groups, self.par.names,
+                           self.par.params, moments)  # fmt: skip
+
+    def own_shards(self):
+        """The files this rank writes itself (a distributed checkpoint; no gather)."""
+        return self._layout_state().own_shards(zero=self.par.opt.sharded)
+
+    def load_plan(self):
+        """The blocks this rank reads at resume (balanced loading)."""
+        return self._layout_state()
+
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
         self.par.load(arrays, where)
 

@@ -8,6 +8,9 @@ So that reliability tests never depend on timing luck, a fault fires at an exact
     MINDLOOM_FAULT="pause_save@4:2"        the save at step 4 stops after writing 2 files
                                            (prints a marker line, then sleeps: kill -9 it)
     MINDLOOM_FAULT="pause_save@4:tracker"  ... after the rename, before `latest` is updated
+    MINDLOOM_FAULT="kill_save@4:1"         rank 1 SIGKILLs itself during the save at step 4,
+                                           after its first file (a distributed save: the
+                                           other ranks' files may be complete)
     MINDLOOM_FAULT="fail_save@4:2"         the save at step 4 raises ENOSPC after 2 files
     MINDLOOM_FAULT="slow_save@4:2.5"       the save at step 4 sleeps 2.5 s before its first
                                            file (an async save lets training move on meanwhile)
@@ -60,7 +63,7 @@ _STEP_KINDS = {"nan_loss", "inf_grad", "grad_spike", "sigterm", "hang", "sigkill
                "await_stop", "step_error", "ballast"}  # fmt: skip
 BALLAST_MB = 64
 AWAIT_MARKER = "MINDLOOM_FAULT: awaiting a stop signal"
-_SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save"}
+_SAVE_KINDS = {"pause_save", "fail_save", "slow_save", "hold_save", "kill_save"}
 _DATA_KINDS = {"slow_data"}
 _COMM_KINDS = {"slow_comm"}
 
@@ -160,6 +163,9 @@ class FaultInjector:
                 )
                 while True:  # the test kills us here
                     time.sleep(3600)
+        for f in self._hits("kill_save", step):
+            if files_written == 1 and int(f.arg or 0) == self.rank:
+                os.kill(os.getpid(), signal.SIGKILL)
         for f in self._hits("hold_save", step):
             deadline = time.monotonic() + 300
             while files_written == 0 and self.step_begun < int(f.arg or step + 1):

@@ -219,8 +219,14 @@ def peak_rss_mb() -> float:
 
     VmHWM belongs to this process's own address space. ru_maxrss does not: Linux carries
     it over exec from the process that spawned us, so a run started by a big parent (a
-    test session of 2.4 GB) would report the parent's peak."""
-    return _status_mib("VmHWM:")
+    test session of 2.4 GB) would report the parent's peak. The kernel updates VmHWM
+    lazily (a reading after the RSS dropped can be below an earlier reading, seen: 0.2
+    MiB), so this is the highest reading of this process so far, never lower."""
+    _PEAK_SEEN[0] = max(_PEAK_SEEN[0], _status_mib("VmHWM:"), _status_mib("VmRSS:"))
+    return _PEAK_SEEN[0]
+
+
+_PEAK_SEEN = [0.0]  # MiB: the highest peak_rss_mb reading of this process
 
 
 def measure_cpu_peak_flops(seconds: float = 0.3) -> float:

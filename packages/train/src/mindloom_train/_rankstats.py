@@ -52,3 +52,27 @@ def rank_fields(rows, samples_per_rank: float) -> dict[str, Any]:
     if all(r[2] >= 0 for r in rows):
         out["mem_device_peak_mb_ranks"] = [r[2] for r in rows]
     return out
+
+
+def state_bytes(runner) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of the model state this rank holds, from the
+    runner's own tensors: its local parameters (a tensor-parallel slice, a pipeline
+    stage), one gradient per parameter in its dtype plus the fp32 accumulation buffers
+    of a multi-micro-batch step, and the AdamW moments it keeps (ZeRO-1: its share)."""
+    par = getattr(runner, "par", None)
+    if par is not None:  # the engine: ZeroAdamW keeps the moments it owns
+        params, acc = list(par.params), []
+        moments = [*par.opt.exp_avg.values(), *par.opt.exp_avg_sq.values()]
+    else:
+        ts = runner.train_step
+        params, acc = list(runner.params), list(ts.acc or ())
+        moments = [*ts.exp_avg, *ts.exp_avg_sq]
+    p = sum(int(t.nbytes) for t in params)
+    return p, p + sum(int(t.nbytes) for t in acc), sum(int(t.nbytes) for t in moments)
+
+
+def log_state_bytes(runner, log) -> tuple[int, int, int]:
+    """At start, one line per rank: what the layout leaves on this rank."""
+    p, g, o = state_bytes(runner)
+    log(f"memory: params {p}, grads {g}, optimizer {o} bytes on this rank")
+    return p, g, o

@@ -251,6 +251,21 @@ class CompiledRunner:
         }
         return shards, ck.default_metadata(shards, self.rt.world)
 
+    def own_shards(self):
+        """Tensor parallel and ZeRO-1: the files this rank writes itself (a distributed
+        checkpoint). Plain data parallel keeps `checkpoint_shards`: rank 0, the first
+        replica, holds and writes everything, with nothing gathered."""
+        if self.zero is not None:
+            return self.zero.layout_state(self.mcfg).own_shards(zero=True)
+        return self.tp.layout_state(self.train_step).own_shards(zero=False) if self.tp else None
+
+    def load_plan(self):
+        """Tensor parallel and ZeRO-1: the blocks this rank reads at resume (balanced
+        loading: ZeRO-1 reads the weights and only the moments it owns)."""
+        if self.zero is not None:
+            return self.zero.layout_state(self.mcfg)
+        return self.tp.layout_state(self.train_step) if self.tp is not None else None
+
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load(arrays, where)

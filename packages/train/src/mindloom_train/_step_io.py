@@ -49,6 +49,13 @@ class StepInputs:
 
 
 class StepRunner(Protocol):
+    """What the loop calls. Two optional methods (found with `getattr`, so a runner
+    without them keeps the gathered checkpoint, `checkpoint_shards` / `load`):
+    `own_shards() -> _ckpt_own.OwnShards | None`, the files this rank writes itself into
+    a distributed checkpoint with their metadata.json chunks (global offsets), and
+    `load_plan() -> _ckpt_own.LayoutState | None`, the blocks it holds, read at resume
+    (balanced loading) and assigned with its `load`."""
+
     def step(self, inp: StepInputs) -> StepResult: ...
     def eval_loss(self, batch: dict[str, np.ndarray]) -> float: ...
     def checkpoint_shards(self) -> tuple[dict, dict] | None: ...

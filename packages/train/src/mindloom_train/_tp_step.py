@@ -79,6 +79,14 @@ class CompiledTP:
         io.exp_avg_sq = dict(enumerate(train_step.exp_avg_sq))
         self.io = io
 
+    def layout_state(self, train_step):
+        """This rank's weights and moments by global name (`_ckpt_own`), for the
+        distributed checkpoint."""
+        from mindloom_train._ckpt_own import LayoutState
+
+        moments = list(zip(train_step.exp_avg, train_step.exp_avg_sq))
+        return LayoutState(self.mcfg, self.pcfg, self.groups, self.names, self.params, moments)
+
     def checkpoint_shards(self, world: int) -> tuple[dict, dict] | None:
         """Collective over the world: every rank sends its shards, rank 0 writes them all
         (the engine path's files and metadata)."""

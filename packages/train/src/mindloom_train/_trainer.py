@@ -126,6 +126,9 @@ class Trainer:
         # MindSpore cells start in inference mode, where nn.Dropout is the identity
         self.built.model.set_train(True)
         self.runner = make_runner(self.built, cfg, self.rt, self.log)
+        from mindloom_train._rankstats import log_state_bytes
+
+        log_state_bytes(self.runner, self.log)  # per rank: what the layout leaves here
         self.metrics.numerics = getattr(self.runner, "numerics", None)  # monitor.numerics
         self.scaler = LossScaler(cfg, self.state)
         self.guard = AnomalyGuard(cfg, self.state, self.scaler, self.rt.rank, self._anomaly)

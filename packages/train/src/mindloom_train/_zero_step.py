@@ -8,8 +8,11 @@ new values shared with every replica by an all-reduce in the same graph. The gua
 clip and the loss-scale arithmetic are the step's own; a test-only gradient poison enters
 before the reduction, so every rank skips together.
 
-Checkpoints are the engine path's: a `ZeroAdamW` whose moment dicts are this step's
-tensors gathers them to rank 0 (one model and one optimizer file) and loads them back.
+Checkpoints are distributed (`layout_state`, `_ckpt_own`): the first replica writes the
+weights, each rank the moments it owns, and a resume reads only those blocks. The
+gathered form (`checkpoint_shards`: a `ZeroAdamW` whose moment dicts are this step's
+tensors gathers them to rank 0, the engine's zero1 files) remains for callers without
+the distributed path.
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ class CompiledZero:
         log(f"parallel: {g.describe()}; compiled data parallel + ZeRO-1 (GRAPH_MODE), AdamW "
             f"state for {mine / 1e6:.3f}M of {total / 1e6:.3f}M values on this rank "
             f"({8 * mine / 2**20:.2f} MiB, plain dp {8 * total / 2**20:.2f} MiB)")  # fmt: skip
+
+    def layout_state(self, mcfg):
+        """This rank's weights and the moments it owns, by global name, for a distributed
+        checkpoint (every replica holds the weights whole; each owner its moments)."""
+        from mindloom_train._ckpt_own import LayoutState
+
+        io = self.io
+        moments = [(io.exp_avg[i], io.exp_avg_sq[i]) if i in io.exp_avg else None
+                   for i in range(len(self.names))]  # fmt: skip
+        return LayoutState(mcfg, self.pcfg, self.groups, self.names, self.params, moments)
 
     def checkpoint_shards(self, mcfg, world: int) -> tuple[dict, dict] | None:
         """Collective over the world: rank 0 gets the weights and the gathered moments
