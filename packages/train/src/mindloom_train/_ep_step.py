@@ -139,7 +139,10 @@ class CompiledEP:
     def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
         from mindloom_parallel._ep import ep_traffic
 
-        sent, received = ep_traffic(local_loads, global_loads, self.pcfg.ep, self.ep.index)
+        e = self.mcfg.n_routed_experts  # the stats hold [routers * E] flat
+        sent, received = ep_traffic(np.reshape(local_loads, (-1, e)),
+                                    np.reshape(global_loads, (-1, e)), self.pcfg.ep,
+                                    self.ep.index)  # fmt: skip
         if self.edp.size > 1:
             received = float("nan")  # the dp sums mix other ep groups' slots
         self._sent += sent
