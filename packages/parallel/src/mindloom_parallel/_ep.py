@@ -35,9 +35,11 @@ from mindloom_parallel._groups import Group, coords_rank, rank_coords
 __all__ = [
     "EPGradReducer",
     "EPNormSquare",
+    "ep_group_ranks",
+    "ep_traffic",
     "expert_block",
     "expert_parallel",
-    "ep_group_ranks",
+    "gather_experts",
     "init_expert_groups",
     "is_expert_param",
 ]

@@ -38,10 +38,10 @@ class CompiledEP:
     """The split model and the graph cells of a compiled expert-parallel step."""
 
     def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
-        from mindloom_parallel import GradReducer
-        from mindloom_parallel._ep import (
+        from mindloom_parallel import (
             EPGradReducer,
             EPNormSquare,
+            GradReducer,
             expert_parallel,
             init_expert_groups,
             is_expert_param,
@@ -84,7 +84,7 @@ class CompiledEP:
             f"{len(params)} local tensors, {n_exp / 1e6:.3f}M expert values here")  # fmt: skip
 
     def _block(self) -> str:
-        from mindloom_parallel._ep import expert_block
+        from mindloom_parallel import expert_block
 
         start, count = expert_block(self.mcfg.n_routed_experts, self.pcfg.ep, self.ep.index)
         return f"{start}-{start + count - 1}"
@@ -97,8 +97,7 @@ class CompiledEP:
     def checkpoint_shards(self, model_arrays: dict, world: int) -> tuple[dict, dict] | None:
         """Collective over the ep group: the expert blocks (weights, moments) gathered into
         global tensors; rank 0 returns the one-process shard files."""
-        from mindloom_parallel._ep import gather_experts
-        from mindloom_parallel._layout import expert_metadata
+        from mindloom_parallel import expert_metadata, gather_experts
 
         ts = self.train_step
         opt = {p.name: p.asnumpy() for p in (*ts.exp_avg, *ts.exp_avg_sq)}
@@ -118,7 +117,7 @@ class CompiledEP:
     def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
         """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and
         their moments) cut to its block of experts, everything else as is."""
-        from mindloom_parallel._ep import expert_block, is_expert_param
+        from mindloom_parallel import expert_block, is_expert_param
 
         e = self.mcfg.n_routed_experts
         start, count = expert_block(e, self.pcfg.ep, self.ep.index)
@@ -137,7 +136,7 @@ class CompiledEP:
     # ------------------------------------------------------------------ metrics
 
     def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
-        from mindloom_parallel._ep import ep_traffic
+        from mindloom_parallel import ep_traffic
 
         e = self.mcfg.n_routed_experts  # the stats hold [routers * E] flat
         sent, received = ep_traffic(np.reshape(local_loads, (-1, e)),
@@ -190,7 +189,7 @@ def _num(v) -> float | None:
 class _ExchangeCell(nn.Cell):
     def __init__(self, ep_group, reps: int, d: int):
         super().__init__()
-        from mindloom_parallel._tp_graph import GatherSeqGraph, ReduceScatterSeqGraph
+        from mindloom_parallel import GatherSeqGraph, ReduceScatterSeqGraph
 
         self.gather = GatherSeqGraph(ep_group)
         self.scatter = ReduceScatterSeqGraph(ep_group)
