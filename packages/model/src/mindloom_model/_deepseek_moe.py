@@ -207,6 +207,11 @@ class MoE(nn.Cell):
         self.compute_dtype = compute_dtype
         self.scale_rows = _ScaleRows()
         self.scatter_tokens = _ScatterRows()
+        # expert parallel (set by mindloom_parallel's expert_parallel): the exchange cells
+        # and this rank's block of experts; None / whole range on one process
+        self.ep_in = None
+        self.ep_out = None
+        self.ep_start, self.ep_local = 0, self.e
 
     # dropless dispatch: "blocks" sorts the routed (token, expert) slots by expert into
     # blocks of T rows, each block one expert's (k/E of the dense FLOPs plus at most a
@@ -223,7 +228,7 @@ class MoE(nn.Cell):
         y = ops.BatchMatMul()(combine.astype(ys.dtype).reshape(n, 1, self.e), ys.transpose(1, 0, 2))
         return y.reshape(n, d)
 
-    def _dropless_blocks(self, flat, one, w):
+    def _dropless_blocks(self, flat, one, w, partial: bool = False):
         """flat [N, D], one [N, k, E] one-hot choices, w [N, k] weights -> y [N, D].
 
         Slot s = n*k + j goes to row start[e_s] + rank_s of a padded buffer [P, D], where
@@ -233,25 +238,37 @@ class MoE(nn.Cell):
         + E*T is static. Tokens come in by a row gather (its backward the one segment sum
         that also adds a token's k copies) and go out by one segment sum over the rows
         weighted by their slot's weight (its backward a gather): no sum over k, no
-        reduction over D outside a matmul."""
+        reduction over D outside a matmul.
+
+        `partial` (expert parallel): `one` [N, k, E_local] covers only this rank's experts;
+        a slot routed elsewhere has a zero row and goes to one extra trash row past the
+        buffer, dropped before the experts run; y is this rank's share of each token."""
         n, d = flat.shape
+        e = one.shape[-1]
         slots = n * self.k
         t = _block_size(slots, self.e, self.block_rows)
-        nb = -(-slots // t) + self.e
+        nb = -(-slots // t) + e
         p = nb * t
-        oh = one.reshape(slots, self.e)  # [S, E] fp32 0/1, S = N*k slots
-        ones_e = ops.ones((self.e, 1), ms.float32)
+        oh = one.reshape(slots, e)  # [S, E] fp32 0/1, S = N*k slots
+        ones_e = ops.ones((e, 1), ms.float32)
         # rank of a slot among its expert's slots, in slot order (exclusive cumsum)
         rank = ops.matmul((ops.cumsum(oh, 0) - oh) * oh, ones_e).reshape(-1)  # [S]
         counts = ops.matmul(ops.ones((1, slots), ms.float32), oh).reshape(-1)  # [E]
         padded = ops.ceil(counts / t) * t
         ends = ops.cumsum(padded, 0)  # [E]
         starts = ends - padded
-        dest = ops.stop_gradient(ops.matmul(oh * starts, ones_e).reshape(-1) + rank)
-        dest = dest.astype(ms.int32)  # [S], distinct rows
+        dest = ops.matmul(oh * starts, ones_e).reshape(-1) + rank
+        rows = p
+        if partial:  # slots of other ranks' experts: the trash row p
+            here = ops.matmul(oh, ones_e).reshape(-1)  # [S] 1 = one of this rank's experts
+            dest = dest * here + (1.0 - here) * p
+            rows = p + 1
+        dest = ops.stop_gradient(dest).astype(ms.int32)  # [S], distinct rows (but trash)
         # the token (1-based; 0 = a pad row) each row holds: exact in fp32 below 2^24
         slot_token = Tensor(np.repeat(np.arange(1, n + 1, dtype=np.float32), self.k))
-        row_token = ops.unsorted_segment_sum(slot_token, dest, p)  # [P]
+        row_token = ops.unsorted_segment_sum(slot_token, dest, rows)  # [P (+1)]
+        if partial:
+            row_token = row_token[:p]
         row_token = ops.stop_gradient(row_token).astype(ms.int32)
         padded_flat = ops.concat((ops.zeros((1, d), flat.dtype), flat), 0)  # row 0: zeros
         xs = ops.gather(padded_flat, row_token, 0).reshape(nb, t, d)
@@ -265,10 +282,34 @@ class MoE(nn.Cell):
         owner = ops.stop_gradient(before - past)  # [nb, E] one-hot
         ys = self.experts(xs, owner).reshape(p, d)  # [P, D]
         # each row's slot weight (0 for pad rows); w's gradient comes back by a gather
-        row_w = ops.unsorted_segment_sum(w.reshape(slots), dest, p)  # [P]
+        row_w = ops.unsorted_segment_sum(w.reshape(slots), dest, rows)  # [P (+1)]
+        if partial:
+            row_w = row_w[:p]
         ys = self.scale_rows(ys, row_w.astype(ys.dtype).reshape(p, 1))
         like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
         return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
+
+    def _expert_parallel(self, flat, idx, w):
+        """Expert parallel, dropless: this rank holds experts [ep_start, ep_start + E_local).
+        One exchange in: every rank of the ep group gets the group's tokens with their
+        choices and weights (`ep_in`: an all-gather of [N, D + 2k] rows, its backward a
+        reduce-scatter); this rank's experts run on the slots routed to them; one exchange
+        out (`ep_out`: the partial outputs summed over the group, this rank's rows kept;
+        its backward an all-gather). Routing stays per rank, so it is one process's."""
+        n, d = flat.shape
+        k, el = self.k, self.ep_local
+        rows = ops.concat(
+            (flat.astype(ms.float32), w, ops.stop_gradient(idx.astype(ms.float32))), 1
+        )  # [N, D + 2k]
+        rows = self.ep_in(rows.expand_dims(0))[0]  # [M, D + 2k], M = ep * N
+        xg = rows[:, :d].astype(flat.dtype)
+        wg = rows[:, d : d + k]
+        ig = ops.stop_gradient(rows[:, d + k :]).astype(ms.int32)  # [M, k] global ids
+        one = ops.one_hot(ig, self.e, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+        mine = one[:, :, self.ep_start : self.ep_start + el]  # [M, k, E_local]
+        part = self._dropless_blocks(xg, mine, wg, partial=True)  # [M, D]
+        y = self.ep_out(part.astype(ms.float32).expand_dims(0))[0]  # [N, D]
+        return y.reshape(n, d).astype(flat.dtype)
 
     def construct(self, x):
         b, s, d = x.shape
@@ -283,6 +324,9 @@ class MoE(nn.Cell):
         load = ops.stop_gradient(assign.sum(0))  # [E]
         if (self.capacity_factor is None or not self.training) and self.dropless == "dense":
             y = self._dropless_dense(flat, combine)
+            dropped = ops.zeros((), ms.float32)
+        elif self.ep_in is not None:
+            y = self._expert_parallel(flat, idx, w)
             dropped = ops.zeros((), ms.float32)
         elif self.capacity_factor is None or not self.training:
             y = self._dropless_blocks(flat, one, w)

@@ -22,6 +22,10 @@ class ParallelDims:
     ``micro_batch_num`` is the number of micro-batches each data-parallel rank runs per step
     (pipeline micro-batches, or gradient accumulation when ``pp == 1``).
     ``zero_stage`` 0 keeps full optimizer state on every DP rank, 1 shards it over DP.
+    ``ep`` (expert parallel, DeepSeek-V3 only) is carved out of data parallel, as in
+    Megatron and MindSpore Transformers: it divides ``dp``, each group of ``ep`` consecutive
+    data-parallel ranks splits the routed experts, and the ``dp / ep`` ranks holding the
+    same experts form the expert-data-parallel group. It adds no ranks to the world.
     """
 
     dp: int = 1
@@ -31,6 +35,12 @@ class ParallelDims:
     micro_batch_num: int = 1
     zero_stage: int = 0
     bucket_size_mb: float = 25.0
+    ep: int = 1
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: data-parallel ranks holding the same experts."""
+        return self.dp // self.ep if self.ep >= 1 and self.dp % self.ep == 0 else 1
 
     @property
     def world_size(self) -> int:
@@ -52,7 +62,7 @@ class ParallelDims:
                 raise ParallelConfigError(
                     f"parallelism.{key}: unknown key (known: {', '.join(sorted(known))})"
                 )
-        for key in ("dp", "tp", "pp", "micro_batch_num", "zero_stage"):
+        for key in ("dp", "tp", "pp", "micro_batch_num", "zero_stage", "ep"):
             if key in d and (isinstance(d[key], bool) or not isinstance(d[key], int)):
                 raise ParallelConfigError(f"parallelism.{key}: expected an integer, got {d[key]!r}")
         if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
@@ -114,7 +124,7 @@ def validate(
     ``pcfg`` so it can be used inline.
     """
     p = pcfg
-    for key in ("dp", "tp", "pp", "micro_batch_num"):
+    for key in ("dp", "tp", "pp", "micro_batch_num", "ep"):
         v = getattr(p, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ParallelConfigError(f"parallelism.{key} = {v!r}: must be an integer >= 1")
@@ -130,6 +140,11 @@ def validate(
         raise ParallelConfigError(
             "parallelism.sequence_parallel = true needs tp > 1 (tp = 1): it splits the "
             "sequence over the tensor-parallel group"
+        )
+    if p.dp % p.ep:
+        raise ParallelConfigError(
+            f"parallelism.ep = {p.ep} does not divide parallelism.dp = {p.dp}: expert parallel "
+            f"is carved out of data parallel (expert-data-parallel size = dp / ep)"
         )
     if world_size is not None and world_size != p.world_size:
         raise ParallelConfigError(
@@ -150,6 +165,16 @@ def validate(
             ),
             ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
         ]
+        if p.ep > 1:
+            family = _field(model_cfg, "family") or "llama"
+            experts = _field(model_cfg, "n_routed_experts") or 0
+            if family != "deepseek_v3" or not experts:
+                raise ParallelConfigError(
+                    f"parallelism.ep = {p.ep} needs a MoE model (model.family = deepseek_v3 "
+                    f"with routed experts), found family {family} with "
+                    f"n_routed_experts = {experts}"
+                )
+            checks.append(("n_routed_experts", experts, p.ep, "ep"))
         for key, value, by, axis in checks:
             if value is not None and int(value) % by:
                 raise ParallelConfigError(

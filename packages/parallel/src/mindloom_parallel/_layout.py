@@ -19,6 +19,7 @@ __all__ = [
     "TensorSpec",
     "tensor_layout",
     "layout_metadata",
+    "expert_metadata",
     "shard_tensor",
     "assemble_tensor",
     "rank_tensor_names",
@@ -95,6 +96,30 @@ def layout_metadata(model_cfg, pcfg) -> dict:
         "parallel": {k: get(k) for k in ("dp", "tp", "pp")},
         "rank_order": "rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank",
         "tensors": {n: s.to_json() for n, s in tensor_layout(model_cfg, pcfg).items()},
+        **({"expert_parallel": expert_metadata(model_cfg, pcfg)} if _ep(pcfg) > 1 else {}),
+    }
+
+
+def _ep(pcfg) -> int:
+    return int(pcfg.get("ep", 1) if isinstance(pcfg, dict) else getattr(pcfg, "ep", 1))
+
+
+def expert_metadata(model_cfg, pcfg) -> dict:
+    """How the routed experts ([E, ...] tensors `*.mlp.experts.w1/w2/w3`, axis 0 = global
+    expert index) were split when the checkpoint was written: ep rank i held experts
+    [i * E/ep, (i + 1) * E/ep). The tensors themselves are saved whole (global indices),
+    so any ep loads them."""
+    e = int(_get(model_cfg, "n_routed_experts"))
+    ep = _ep(pcfg)
+    per = e // ep
+    return {
+        "ep": ep,
+        "expert_dp": _get(pcfg, "dp") // ep,
+        "n_routed_experts": e,
+        "expert_axis": 0,
+        "tensors": "*.mlp.experts.w1, *.mlp.experts.w2, *.mlp.experts.w3 (and their moments)",
+        "ep_rank_experts": [[i * per, (i + 1) * per] for i in range(ep)],
+        "rank_order": "dp_rank = edp_rank * ep + ep_rank",
     }
 
 

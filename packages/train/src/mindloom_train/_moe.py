@@ -67,7 +67,8 @@ class MoEStepParts(nn.Cell):
     """The in-graph MoE state of a step: the micro-batch stats buffer, the data-parallel
     reduction of the stats and the expert-bias update."""
 
-    def __init__(self, model, dp_group: str | None = None, dp_size: int = 1):
+    def __init__(self, model, dp_group: str | None = None, dp_size: int = 1,
+                 keep_local: bool = False):  # fmt: skip
         super().__init__(auto_prefix=False)
         from mindloom_model import moe_routers
 
@@ -80,6 +81,12 @@ class MoEStepParts(nn.Cell):
         self.acc = Parameter(np.zeros(size, np.float32), name="moe_stats_acc", requires_grad=False)
         self.reduce = ops.AllReduce(ops.ReduceOp.SUM, group=dp_group) if dp_group else None
         self.dp_size = dp_size
+        # expert parallel: this rank's own loads of the step (before the dp sum), read by
+        # the host for the tokens each rank sends and receives
+        self.local_loads = (
+            Parameter(np.zeros(self.n_routers * self.e, np.float32), name="moe_local_loads",
+                      requires_grad=False) if keep_local else None
+        )  # fmt: skip
 
     def accumulate(self, stats):
         return ops.assign_add(self.acc, stats)
@@ -88,6 +95,8 @@ class MoEStepParts(nn.Cell):
         """This micro-batch's stats + the buffered ones, summed over dp; the scalars become
         means over micro-batches and ranks, the loads stay token counts."""
         stats = stats + self.acc
+        if self.local_loads is not None:
+            stats = ops.depend(stats, ops.assign(self.local_loads, stats[N_SCALARS:]))
         if self.reduce is not None:
             stats = self.reduce(stats)
         mean = ops.concat((stats[:N_SCALARS] / (n_micro * self.dp_size), stats[N_SCALARS:]))

@@ -52,16 +52,25 @@ class CompiledRunner:
 
             self.tp = CompiledTP(built, cfg, runtime, log)
             built = self.tp.built
+        # expert parallel (DeepSeek-V3): the routed experts split in place (_ep_step)
+        self.ep = None
+        if getattr(runtime, "compiled_ep", False):
+            from mindloom_train._ep_step import CompiledEP
+
+            self.ep = CompiledEP(built, cfg, runtime, log)
+            built = self.ep.built
         self.model, self.mcfg = built.model, built.mcfg
         # every graph below is called through graphs.run (see _graph_cache)
         self.graphs = make_compile_cache(cfg, runtime, built.mcfg, log)
         self.params, self.buffers = built.params, built.buffers
         self.accum = cfg.grad_accum_steps
         p = cfg.parallelism
-        if runtime.groups is None and (p.tp > 1 or p.pp > 1 or p.dp > 1 or p.zero_stage):
+        if runtime.groups is None and (
+            p.tp > 1 or p.pp > 1 or p.dp > 1 or p.zero_stage or p.ep > 1
+        ):
             log(
                 f"parallel: one process (no msrun); parallelism dp={p.dp} tp={p.tp} pp={p.pp} "
-                f"zero_stage={p.zero_stage} applies under `mindloom launch`"
+                f"ep={p.ep} zero_stage={p.zero_stage} applies under `mindloom launch`"
             )
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
@@ -77,6 +86,13 @@ class CompiledRunner:
             # the step's collectives in a graph of their own (see _probe_comm)
             self.comm_probe, self._probe_grads = self.tp.probe.cell, self.tp.probe.inputs
             self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
+        elif self.ep is not None:
+            grad_red, loss_red = self.ep.grad_reducer, self.ep.loss_reducer
+            eval_red, norm_red = self.ep.eval_reducer, self.ep.norm_reducer
+            self.comm_probe, self._probe_grads = self.ep.comm_probe, self.ep.comm_inputs
+            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
+            ex = self.ep.exchange
+            self.graphs.run("ep_exchange", ex.cell, ex.inputs)[0].asnumpy()
         elif runtime.groups is not None and dp_size > 1:
             from mindloom_parallel import GradReducer
 
@@ -105,7 +121,7 @@ class CompiledRunner:
                               "parallel only (zero_stage is not wired for MoE yet)")  # fmt: skip
         if isinstance(built.loss_net, MoELossNet):  # DeepSeek-V3: stats, bias update, main CE
             dp_name = runtime.groups.dp.name if runtime.groups is not None and dp_size > 1 else None
-            self.moe_parts = MoEStepParts(self.model, dp_name, dp_size)
+            self.moe_parts = MoEStepParts(self.model, dp_name, dp_size, self.ep is not None)
             self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
@@ -115,6 +131,8 @@ class CompiledRunner:
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach(self.train_step, flags)
+        if self.ep is not None:
+            self.ep.attach(self.train_step)
         self._init_stats(cfg, built, weights, flags, grad_red, loss_red, log)
         self.accum_step = (
             _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
@@ -136,8 +154,9 @@ class CompiledRunner:
         self.numerics = self.stats_step = self.logit_stats = self.logit_buffer = None
         if not (mon.numerics or mon.max_logits):
             return
-        if self.tp is not None:  # per-tensor statistics of local shards: not wired yet
-            log("monitor: numerics and max_logits are not computed under tensor parallel")
+        if self.tp is not None or self.ep is not None:  # local shards: not wired yet
+            log("monitor: numerics and max_logits are not computed under tensor or expert "
+                "parallel")  # fmt: skip
             return
         if self.zero is not None:  # moments of the owned parameters only: not wired yet
             log("monitor: numerics and max_logits are not computed under ZeRO-1")
@@ -215,6 +234,11 @@ class CompiledRunner:
             self.numerics.logits = self.logit_buffer
         if moe_t:
             self.moe_window.add(moe_t[0].asnumpy())
+            if self.ep is not None:
+                from mindloom_train._moe import N_SCALARS
+
+                self.ep.add_step(self.moe_parts.local_loads.asnumpy(),
+                                 moe_t[0].asnumpy()[N_SCALARS:])  # fmt: skip
         loss, gnorm = float(loss_t.asnumpy()), float(gnorm_t.asnumpy())
         ok = bool(ok_t.asnumpy())
         if several:
@@ -242,6 +266,8 @@ class CompiledRunner:
             return self.tp.checkpoint_shards(self.rt.world)
         if self.zero is not None:
             return self.zero.checkpoint_shards(self.mcfg, self.rt.world)
+        if self.ep is not None:  # collective: the expert blocks gathered (_ep_step)
+            return self.ep.checkpoint_shards(self._model_arrays(), self.rt.world)
         if self.rt.rank != 0:
             return None
         opt = {p.name: p.asnumpy() for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq)}
@@ -269,6 +295,8 @@ class CompiledRunner:
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load(arrays, where)
+        if self.ep is not None:  # global tensors -> this rank's block of experts
+            arrays = self.ep.local_arrays(arrays, where)
         opt_names = ("exp_avg.", "exp_avg_sq.")
         weights = {k: v for k, v in arrays.items() if not k.startswith(opt_names)}
         load_params(self.params + self.buffers, weights, where)
@@ -280,6 +308,8 @@ class CompiledRunner:
     def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load_weights(arrays, where)
+        if self.ep is not None:
+            arrays = self.ep.local_arrays(arrays, where)
         load_params(self.params, arrays, where)
 
     def extra_fields(self) -> dict[str, Any]:
@@ -307,6 +337,13 @@ class CompiledRunner:
                     "comm_share_ranks": None}  # fmt: skip
         if probe or self._last_comm is None:
             self._last_comm = self._probe_comm(window)
+        if self.ep is not None:  # the exchange's own probe and the tokens per rank
+            return {
+                **self._last_comm,
+                **self.ep.exchange_fields(
+                    self.graphs, window.mean_step_time(), probe or self.ep.last is None
+                ),
+            }
         return self._last_comm
 
     def _probe_comm(self, window: ThroughputWindow) -> dict[str, Any]:

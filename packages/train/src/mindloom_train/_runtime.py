@@ -27,6 +27,7 @@ class Runtime:
         self.use_engine = False
         self.compiled_tp = False  # tp > 1 as a compiled step (_tp_step), not the engine
         self.compiled_zero = False  # dp > 1 with ZeRO-1 as a compiled step (_zero_step)
+        self.compiled_ep = False  # ep > 1 (DeepSeek-V3) in the compiled step (_ep_step)
         self.stop_signal: str | None = None  # the first SIGTERM / SIGINT received
         self._old_handlers: dict = {}
 
@@ -57,13 +58,14 @@ class Runtime:
             return
         from mindloom_parallel import ParallelConfigError, ParallelDims, init_parallel
 
+        from mindloom_train._ep_step import compiled_ep
         from mindloom_train._tp_step import compiled_tp
-
-        dims = ParallelDims.from_section(self.cfg.parallelism)
         from mindloom_train._zero_step import compiled_zero
 
+        dims = ParallelDims.from_section(self.cfg.parallelism)
         self.compiled_tp = compiled_tp(dims, self.cfg.context.mode)
         self.compiled_zero = compiled_zero(dims, self.cfg.context.mode)
+        self.compiled_ep = compiled_ep(dims)
         self.use_engine = dims.needs_engine and not (self.compiled_tp or self.compiled_zero)
         pcfg = dims.for_steps(self.cfg.grad_accum_steps) if self.use_engine else dims
         try:

@@ -141,6 +141,7 @@ class ParallelismConfig:
     micro_batch_num: int = 1
     zero_stage: int = 0
     bucket_size_mb: float = 25.0
+    ep: int = 1  # expert parallel (deepseek_v3): carved out of dp, divides dp
     # Several workers: a step (or evaluation, or save) that makes no progress for this long
     # ends the worker with exit code 4 (a rank hung or died inside a collective). The
     # first step and the first evaluation compile graphs: they get first_step_timeout_s.

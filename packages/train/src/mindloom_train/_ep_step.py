@@ -1,0 +1,235 @@
+"""Expert parallel (DeepSeek-V3, `parallelism.ep > 1`) as the trainer's compiled step.
+
+`CompiledRunner` keeps its `TrainStep` / `AccumStep` / `EvalStep` graphs; this module hands
+it what changes: the model's routed experts split in place over the ep group
+(`mindloom_parallel.expert_parallel`, with the exchange cells inside each MoE layer), the
+gradient reducer (dense tensors averaged over dp, expert blocks over the expert-data-
+parallel group only, scaled by 1/dp), the global gradient norm over the expert blocks, the
+exchange probe for `comm_fields`, and the token traffic per rank. The MoE stats (global
+expert loads, the bias update) are `_moe.MoEStepParts`' data-parallel sums as before.
+
+Checkpoints hold global tensors, the same names and shapes as a one-process checkpoint:
+at a save every rank's expert blocks (weights and AdamW moments) are all-gathered over the
+ep group and rank 0 writes the one-process files, plus `expert_parallel` in
+metadata.json; a load slices this rank's block out of the global tensors, so ep2 and one
+process resume each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import mindspore as ms
+import numpy as np
+from mindspore import nn, ops
+
+from mindloom_train import _checkpoint as ck
+
+
+def compiled_ep(dims) -> bool:
+    """Expert parallel without tensor / pipeline parallel or ZeRO-1 (those are refused for
+    deepseek_v3 in `_build`)."""
+    return getattr(dims, "ep", 1) > 1 and not dims.needs_engine
+
+
+class CompiledEP:
+    """The split model and the graph cells of a compiled expert-parallel step."""
+
+    def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
+        from mindloom_parallel import (
+            EPGradReducer,
+            EPNormSquare,
+            GradReducer,
+            expert_parallel,
+            init_expert_groups,
+            is_expert_param,
+        )
+
+        from mindloom_train import _step
+
+        g, pcfg = runtime.groups, runtime.pcfg
+        self.groups, self.pcfg, self.mcfg, self.cfg = g, pcfg, built.mcfg, cfg
+        self.ep, self.edp = init_expert_groups(g.rank, pcfg)
+        expert_parallel(built.model, self.ep)
+        params = list(built.model.trainable_params())
+        self.names = [p.name for p in params]
+        self.expert_names = [n for n in self.names if is_expert_param(n)]
+        self.built = dataclasses.replace(built, params=params)
+        dense = [p for p in params if not is_expert_param(p.name)]
+        dp_red = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
+        self.grad_reducer = EPGradReducer(self.names, pcfg.dp, self.edp, dp_red)
+        self.loss_reducer = _step.MeanOver(g.dp.name, g.dp.size)
+        self.eval_reducer = _step.MeanOver(g.dp.name, g.dp.size)
+        self.norm_reducer = EPNormSquare(self.names, self.ep)
+        self.params = params
+        self.train_step = None
+        # the exchange in a graph of its own (see exchange_fields), and the step's whole
+        # communication (the exchange + the dense buckets) for the runner's comm_probe
+        self.exchange = ExchangeProbe(self.ep, built.model, cfg.training.micro_batch_size,
+                                      cfg.train_dataset.seq_length, cfg.grad_accum_steps)  # fmt: skip
+        probe_dp = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
+        self.comm_probe = StepCommProbe(self.exchange, probe_dp)
+        self.comm_inputs = self.exchange.inputs + tuple(
+            ms.Tensor(np.zeros(p.shape, np.float32)) for p in dense
+        )
+        self.ep_index = self.ep.index
+        self._sent = self._received = 0.0
+        self._steps = 0
+        self.last = None
+        n_exp = sum(int(np.prod(p.shape)) for p in params if is_expert_param(p.name))
+        log(f"parallel: {g.describe()}; expert parallel ep={pcfg.ep} (ep rank {self.ep.index}, "
+            f"experts {self._block()}), expert-data-parallel {self.edp.size}; "
+            f"{len(params)} local tensors, {n_exp / 1e6:.3f}M expert values here")  # fmt: skip
+
+    def _block(self) -> str:
+        from mindloom_parallel import expert_block
+
+        start, count = expert_block(self.mcfg.n_routed_experts, self.pcfg.ep, self.ep.index)
+        return f"{start}-{start + count - 1}"
+
+    def attach(self, train_step) -> None:
+        self.train_step = train_step
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_shards(self, model_arrays: dict, world: int) -> tuple[dict, dict] | None:
+        """Collective over the ep group: the expert blocks (weights, moments) gathered into
+        global tensors; rank 0 returns the one-process shard files."""
+        from mindloom_parallel import expert_metadata, gather_experts
+
+        ts = self.train_step
+        opt = {p.name: p.asnumpy() for p in (*ts.exp_avg, *ts.exp_avg_sq)}
+        local = {n: model_arrays[n] for n in self.expert_names}
+        local.update({f"{k}.{n}": opt[f"{k}.{n}"] for k in ("exp_avg", "exp_avg_sq")
+                      for n in self.expert_names})  # fmt: skip
+        full = gather_experts(local, self.ep)
+        if self.groups.rank != 0:
+            return None
+        model = {n: full.get(n, a) for n, a in model_arrays.items()}
+        opt = {n: full.get(n, a) for n, a in opt.items()}
+        shards = {ck.shard_name("model", 0, 1): model, ck.shard_name("optim", 0, 1): opt}
+        meta = ck.default_metadata(shards, world)
+        meta["expert_parallel"] = expert_metadata(self.mcfg, self.pcfg)
+        return shards, meta
+
+    def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+        """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and
+        their moments) cut to its block of experts, everything else as is."""
+        from mindloom_parallel import expert_block, is_expert_param
+
+        e = self.mcfg.n_routed_experts
+        start, count = expert_block(e, self.pcfg.ep, self.ep.index)
+        out = {}
+        for name, arr in arrays.items():
+            if is_expert_param(name):
+                if arr.shape[0] != e:
+                    raise ck.CheckpointError(
+                        f"{where}: tensor {name!r} has shape {list(arr.shape)}, the model "
+                        f"expects {e} experts on axis 0"
+                    )
+                arr = np.ascontiguousarray(arr[start : start + count])
+            out[name] = arr
+        return out
+
+    # ------------------------------------------------------------------ metrics
+
+    def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
+        from mindloom_parallel import ep_traffic
+
+        e = self.mcfg.n_routed_experts  # the stats hold [routers * E] flat
+        sent, received = ep_traffic(np.reshape(local_loads, (-1, e)),
+                                    np.reshape(global_loads, (-1, e)), self.pcfg.ep,
+                                    self.ep.index)  # fmt: skip
+        if self.edp.size > 1:
+            received = float("nan")  # the dp sums mix other ep groups' slots
+        self._sent += sent
+        self._received += received
+        self._steps += 1
+
+    def traffic(self) -> tuple[float, float]:
+        """Mean token-slots sent / received per step since the last call (this rank)."""
+        n = max(self._steps, 1)
+        out = (self._sent / n, self._received / n)
+        self._sent = self._received = 0.0
+        self._steps = 0
+        return out
+
+    def exchange_fields(self, graphs, step_time: float, probe: bool) -> dict:
+        """At log steps every rank reaches (`probe`): the exchange probe timed and every
+        rank's (exchange s, sent, received) gathered; other records repeat the last."""
+        from mindloom_parallel import gather_rows
+
+        sent, received = self.traffic()
+        if not probe and self.last is not None:
+            return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
+        t0 = time.perf_counter()
+        graphs.run("ep_exchange", self.exchange.cell, self.exchange.inputs)[0].asnumpy()
+        took = time.perf_counter() - t0
+        rows = gather_rows([took, sent, received, step_time], self.groups.world)
+        share = [min(1.0, float(r[0] / r[3])) if r[3] > 0 else 0.0 for r in rows]
+        self.last = {
+            "ep_exchange_s": took,
+            "ep_exchange_share": share[self.groups.rank],
+            "ep_exchange_s_ranks": [float(r[0]) for r in rows],
+            "ep_exchange_share_ranks": share,
+            "ep_tokens_sent_ranks": [float(r[1]) for r in rows],
+            "ep_tokens_received_ranks": [_num(r[2]) for r in rows],
+        }
+        return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
+
+
+def _num(v) -> float | None:
+    """metrics.jsonl holds no NaN: an unknown count is null."""
+    v = float(v)
+    return None if np.isnan(v) else v
+
+
+class _ExchangeCell(nn.Cell):
+    def __init__(self, ep_group, reps: int, d: int):
+        super().__init__()
+        from mindloom_parallel import GatherSeqGraph, ReduceScatterSeqGraph
+
+        self.gather = GatherSeqGraph(ep_group)
+        self.scatter = ReduceScatterSeqGraph(ep_group)
+        self.reps, self.d = reps, d
+
+    def construct(self, bufs):
+        rows, out = bufs[0], bufs[1]
+        for _ in range(self.reps):  # chained, as the layers run one after another
+            big = self.gather(rows)  # the dispatch [1, ep N, D + 2k]
+            out = self.scatter(big[:, :, : self.d])  # the combine [1, N, D]
+            dy = self.gather(out)  # the combine's backward
+            rows = ops.depend(self.scatter(big), dy)  # the dispatch's backward
+        return rows, out
+
+
+class ExchangeProbe:
+    """The step's expert-parallel exchange in a graph of its own: per micro-batch and MoE
+    layer, the same cells on the same bytes as the step, forward (gather of the [N, D + 2k]
+    rows, the combine's all-reduce of [ep N, D]) and backward (the reduce-scatter of the
+    rows' gradient, the all-gather of the output gradient)."""
+
+    def __init__(self, ep_group, model, micro_batch_size: int, seq_length: int, accum: int):
+        cfg = model.config
+        n, d, k = micro_batch_size * seq_length, cfg.hidden_size, cfg.num_experts_per_tok
+        routers = sum(1 for layer in model.layers if layer.is_moe) + sum(
+            1 for m in model.mtp if m.block.is_moe
+        )
+        self.cell = _ExchangeCell(ep_group, accum * routers, d)
+        self.inputs = (ms.Tensor(np.zeros((1, n, d + 2 * k), np.float32)),
+                       ms.Tensor(np.zeros((1, n, d), np.float32)))  # fmt: skip
+
+
+class StepCommProbe(nn.Cell):
+    """The runner's `comm_probe`: the exchange, then the dense data-parallel buckets."""
+
+    def __init__(self, exchange: ExchangeProbe, dp_reducer):
+        super().__init__()
+        self.exchange = exchange.cell
+        self.dp = dp_reducer
+
+    def construct(self, bufs):
+        a = self.exchange(bufs[:2])
+        return a + self.dp(bufs[2:])

@@ -1,0 +1,188 @@
+"""Expert parallel (`parallelism.ep = 2`, DeepSeek-V3) through `mindloom launch` (real msrun,
+2 CPU workers, the compiled step), against one process.
+
+The model is the tiniest with every MoE part: deepseek-v3-debug cut to 2 layers (one
+dense, one MoE with 8 routed experts) plus its MTP block (2 routers), the balance loss on,
+a bias speed large enough to move the routing. Runs:
+
+- A: one process, 20 steps, a checkpoint every step (in this process);
+- L: `mindloom launch --nproc 2 ... --set parallelism.dp=2 --set parallelism.ep=2`
+  resuming from a copy of A's step-1 checkpoint (one process -> ep2), steps 2-20,
+  checkpoints every 5 steps;
+- L2: the same launch resuming from a copy of L's step-10 checkpoint, stopped by SIGTERM
+  during update 15 (it saves step 15 and exits 0): same-ep resume;
+- R: one process resuming from L2's SIGTERM checkpoint (ep2 -> one process), steps 16-20.
+
+References: A (losses within 1e-5 relative, the same expert loads and biases), NumPy
+(the bias rule from the recorded loads, the tokens an all-to-all would move from A's
+loads), and L itself for L2 (bit-exact).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mindloom_train._checkpoint import Checkpoint, read_tracker
+from train_testutil import (
+    base_config,
+    run_config,
+    start_launch,
+    step_records,
+    stop_launches,
+    wait_launches,
+)
+
+STEPS = 20
+SPEED = 0.01
+E, R = 8, 2  # routed experts; routers (the trunk MoE layer and the MTP block's)
+SLOTS = 8 * 32 * 2  # token-slots per router and step: 8 samples x 32 tokens x k = 2
+EP = {"dp": 2, "ep": 2}
+
+
+def _config(prepared, run: Path, **sections) -> dict:
+    cfg = base_config(
+        prepared, run,
+        lr_scheduler={"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_iters": 2, "decay_iters": STEPS},
+        model={"preset": "deepseek-v3-debug", "vocab_size": None, "num_layers": 2,
+               "moe_bias_update_speed": SPEED, "moe_aux_loss_weight": 0.01},
+        training={"train_iters": STEPS, "global_batch_size": 8, "micro_batch_size": 4},
+        checkpoint={"save_interval": 5, "keep_last": 10},
+    )  # fmt: skip
+    del cfg["eval_dataset"]  # no held-out set: no evaluation graph to compile
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def _seed_checkpoint(src: Path, step: int, run: Path) -> None:
+    name = f"step_{step:08d}"
+    shutil.copytree(src / "checkpoints" / name, run / "checkpoints" / name)
+    (run / "checkpoints" / "latest").write_text(f"{step}\n")
+
+
+@pytest.fixture(scope="module")
+def runs(prepared, tmp_path_factory) -> dict:
+    """A, then L resuming from A's step 1 (waited for here)."""
+    root = tmp_path_factory.mktemp("expert_parallel")
+    out = {"root": root, "a": root / "a", "l": root / "l"}
+    # every step saved: L starts from step 1, the tests read steps 5, 10, 15, 20
+    every = {"save_interval": 1, "keep_last": STEPS + 1}
+    assert run_config(_config(prepared, out["a"], checkpoint=every)) == 0
+    _seed_checkpoint(out["a"], 1, out["l"])
+    procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP), root / "l.yaml",
+                               timeout_s=500)}  # fmt: skip
+    try:
+        wait_launches(procs, timeout_s=560)
+    finally:
+        stop_launches(procs, {"l": out["l"] / "msrun_logs"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(prepared, runs) -> dict:
+    """L2 (ep2 from L's step 10, SIGTERM in update 15), then R (one process from L2's 15)."""
+    root = runs["root"]
+    l2, r = root / "l2", root / "r"
+    _seed_checkpoint(runs["l"], 10, l2)
+    procs = {"l2": start_launch(_config(prepared, l2, parallelism=EP), root / "l2.yaml",
+                                fault="sigterm@15", timeout_s=500)}  # fmt: skip
+    try:
+        wait_launches(procs, timeout_s=560)
+    finally:
+        stop_launches(procs, {"l2": l2 / "msrun_logs"})
+    _seed_checkpoint(l2, 15, r)
+    assert run_config(_config(prepared, r)) == 0
+    return {"l2": l2, "r": r}
+
+
+def _tensors(run: Path, step: int) -> dict[str, np.ndarray]:
+    ck = Checkpoint(run / "checkpoints" / f"step_{step:08d}")
+    return ck.load_tensors(list(ck.metadata["tensors"]))
+
+
+def _biases(t: dict[str, np.ndarray]) -> np.ndarray:
+    names = sorted((k for k in t if k.endswith("expert_bias")), key=lambda k: k.startswith("mtp"))
+    return np.stack([t[k] for k in names])
+
+
+def test_ep2_losses_loads_and_biases_equal_one_process(runs):
+    a, b = step_records(runs["a"]), step_records(runs["l"])
+    assert sorted(b) == list(range(2, STEPS + 1))
+    for step in range(2, STEPS + 1):
+        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+        # the routing decisions of the whole global batch: the same token-slots per expert
+        assert b[step]["moe_load"] == a[step]["moe_load"], step
+    assert a[2]["moe_load"] != a[STEPS]["moe_load"]  # the bias moved the routing
+    for step in (5, 10, 15, 20):
+        ta, tb = _tensors(runs["a"], step), _tensors(runs["l"], step)
+        np.testing.assert_array_equal(_biases(tb), _biases(ta), err_msg=f"step {step}")
+        worst = max(float(np.abs(ta[k] - tb[k]).max()) for k in ta)
+        assert worst < 1e-4, (step, worst)
+
+
+def test_bias_follows_the_numpy_rule_from_the_global_loads(runs):
+    """The ep2 biases after each save step equal NumPy's sign rule applied to the loads
+    the run recorded (global: summed over both ranks), from A's step-1 biases on."""
+    b = step_records(runs["l"])
+    bias = _biases(_tensors(runs["a"], 1)).astype(np.float32)
+    for step in range(2, STEPS + 1):
+        load = np.asarray(b[step]["moe_load"], np.float64)
+        sign = np.sign(load.mean(1, keepdims=True) - load).astype(np.float32)
+        bias = (bias + np.float32(SPEED) * sign).astype(np.float32)
+        if step % 5 == 0:
+            np.testing.assert_array_equal(_biases(_tensors(runs["l"], step)), bias)
+
+
+def test_checkpoint_holds_global_expert_tensors_and_the_split(runs):
+    ta, tb = _tensors(runs["a"], 20), _tensors(runs["l"], 20)
+    assert sorted(ta) == sorted(tb)  # the one-process names: any layout loads it
+    for k in ta:
+        assert ta[k].shape == tb[k].shape, k
+    assert tb["layers.1.mlp.experts.w1"].shape[0] == E
+    meta = json.loads((runs["l"] / "checkpoints" / "step_00000020" / "metadata.json").read_text())
+    assert meta["expert_parallel"]["ep_rank_experts"] == [[0, 4], [4, 8]]
+    assert meta["expert_parallel"]["expert_dp"] == 1
+
+
+def test_tokens_sent_and_received_per_rank_match_the_one_process_loads(runs):
+    """Each rank's own slots are R * SLOTS / 2; what it receives plus what it kept of its
+    own is the global load on its 4 experts, i.e. one process's load there."""
+    a, b = step_records(runs["a"]), step_records(runs["l"])
+    for step in range(2, STEPS + 1):
+        r = b[step]
+        sent, received = r["ep_tokens_sent_ranks"], r["ep_tokens_received_ranks"]
+        load = np.asarray(a[step]["moe_load"], np.float64) * SLOTS  # [R, E] token-slots
+        for rank in range(2):
+            mine = load[:, 4 * rank : 4 * rank + 4].sum()
+            kept = R * SLOTS / 2 - sent[rank]
+            assert received[rank] + kept == pytest.approx(mine, abs=1e-6), (step, rank)
+        assert sum(sent) == sum(received)
+        assert r["ep_tokens_sent"] == sent[0]
+        assert 0 < r["ep_exchange_s"] and 0 < r["ep_exchange_share"] <= 1
+
+
+def test_same_ep_resume_after_sigterm_is_bit_exact_including_the_bias(runs, resumed):
+    l2 = resumed["l2"]
+    assert read_tracker(l2 / "checkpoints") == 15
+    a, b = step_records(runs["l"]), step_records(l2)
+    assert sorted(b) == list(range(11, 16))
+    for step in b:
+        for key in ("step_loss", "grad_norm", "mtp_loss", "moe_load", "moe_bias_norm"):
+            assert a[step][key] == b[step][key], (step, key)
+    ta, tb = _tensors(runs["l"], 15), _tensors(l2, 15)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+
+
+def test_ep2_checkpoint_resumes_on_one_process(runs, resumed):
+    a, r = step_records(runs["a"]), step_records(resumed["r"])
+    assert sorted(r) == list(range(16, STEPS + 1))
+    for step in r:
+        assert r[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
+        assert r[step]["moe_load"] == a[step]["moe_load"], step
