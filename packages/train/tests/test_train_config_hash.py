@@ -10,7 +10,9 @@ and config.yaml digests were recorded again at the merge that added the `monitor
 (warmup_steps, profile_memory, with_stack, ranks) keys: new keys with defaults appear in
 every resolved config, so both move by design; `ModelSection` had been shown to give the
 851959c values before that merge. Recorded again when `context.compile_cache` and
-`context.compile_cache_dir` were added (the same reason; the drift hashes did not move)."""
+`context.compile_cache_dir` were added (the same reason; the drift hashes did not move), and
+again when `parallelism.ep` was added (expert parallel, session 11; the drift hashes did
+not move: a checkpoint of an earlier run still resumes)."""
 
 from __future__ import annotations
 
@@ -59,24 +61,24 @@ def _debug() -> dict:
 # first 16 hex digits of config.yaml's SHA-256)
 CASES = {
     "debug.yaml": ((_debug(), True),
-                   ("ef1ed67d0b4de6bb", "f7c651f57f6c34f4", "a5266a71fb09dcc0")),
+                   ("a7e4199c9cb36495", "f7c651f57f6c34f4", "2e216895ab9c97f1")),
     "deepseek-v3-debug.yaml": (({**_debug(), **DEEPSEEK}, True),
-                               ("6ba7a52df01847a0", "42f49cab3fdaac1a", "6df1f2e6b9c84779")),
+                               ("48b5f854f31dd0fd", "42f49cab3fdaac1a", "c0a5f6d27405780b")),
     "no model section": ((dict(DATA), True),
-                         ("690cd0ddd24e0a12", "29705e2bfbbae948", "4bc0dc91a0251f73")),
+                         ("d091c47eb09fd63d", "29705e2bfbbae948", "b3b2e8d71083d2b4")),
     "empty model section": (({**DATA, "model": {}}, True),
-                            ("204e1072473d0323", "f66d4dcf301cbfba", "1e12bdc65c1fd001")),
+                            ("aec8b0ad2c525ac6", "f66d4dcf301cbfba", "8068ba750bb1c69c")),
     "vocab null + dropout": (
         ({**DATA, "model": {"preset": "debug", "vocab_size": None, "dropout": 0.1}}, True),
-        ("4719366e7c936f70", "f8ff46fb8ed3d424", "9506a3db5ec5b433")),
+        ("56a9d860d49a6102", "f8ff46fb8ed3d424", "63f6647849458257")),
     # an int where ModelConfig has a float (rms_norm_eps 1 -> 1.0), no preset
     "no preset, full spec": (
         ({**DATA, "model": {"hidden_size": 128, "num_layers": 3, "num_heads": 4,
                             "rms_norm_eps": 1, "tie_embeddings": True}}, True),
-        ("dc3e2c2264d395b2", "ad514432a75090ef", "677be0c89b34d099")),
+        ("dc87af016203c386", "ad514432a75090ef", "707b2693d1436cb9")),
     "init_from_hf, unchecked": (
         ({**DATA, "model": {"init_from_hf": "hf/llama", "vocab_size": None}}, False),
-        ("22a2edb271e6d56d", "873b0262bcc91a57", "a0de9a10c862819b")),
+        ("6561ed8c96de5a82", "873b0262bcc91a57", "82db38a848c689d2")),
 }  # fmt: skip
 
 
