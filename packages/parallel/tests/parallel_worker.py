@@ -551,6 +551,32 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     }
 
 
+def _late_all_reduce(late_rank: int, late_s: float, out: Path) -> int:
+    """Every rank sums its rank + 1 once all ranks are in, then again with `late_rank`
+    `late_s` seconds behind the others (a peer compiling or saving); the sums go to
+    out/late_rank<r>.json, written only if both all-reduces succeeded."""
+    import mindspore as ms
+    from mindloom_parallel import mark_run_ended
+    from mindspore import Tensor, ops
+    from mindspore.communication import GlobalComm, get_rank, init
+
+    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    init()
+    rank = get_rank()
+    reduce = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+    mine = Tensor(np.full(4, rank + 1, np.float32))
+    sums = [float(reduce(mine).asnumpy()[0])]
+    t0 = time.monotonic()
+    if rank == late_rank:
+        time.sleep(late_s)
+    sums.append(float(reduce(mine).asnumpy()[0]))
+    waited = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"late_rank{rank}.json").write_text(json.dumps({"sums": sums, "waited_s": waited}))
+    mark_run_ended(0)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -561,8 +587,17 @@ def main(argv=None) -> int:
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank raises (launcher test)")
     ap.add_argument("--crash-after-end", type=int, default=-1,
                     help="this rank marks its run ended, then dies by SIGSEGV (launcher test)")  # fmt: skip
+    ap.add_argument(
+        "--late-rank",
+        type=int,
+        default=-1,
+        help="this rank joins an all-reduce --late-s seconds after its peers",
+    )
+    ap.add_argument("--late-s", type=float, default=0.0)  # fmt: skip
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK_ID", "0"))
+    if a.late_rank >= 0:
+        return _late_all_reduce(a.late_rank, a.late_s, Path(a.out))
     if rank == a.fail_rank:
         raise RuntimeError(f"injected failure on rank {rank}")
     if a.crash_after_end >= 0:

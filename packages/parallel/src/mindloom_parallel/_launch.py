@@ -62,6 +62,12 @@ __all__ = [
 ]
 
 
+# MindSpore's CPU collectives give up on a peer after 30 s unless this is set (seconds;
+# measured with 2.10: a rank 35 s late fails its peer's AllReduce)
+CPU_COMM_TIMEOUT_ENV = "MS_CPU_COMM_OP_TIMEOUT"
+COLLECTIVE_TIMEOUT_S = 1800
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,6 +91,7 @@ def launch(
     micro_batch_size: int | None = None,
     stop_grace_s: float = 300.0,
     lock: RunLock | None = None,
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
 ) -> int:
     """Run ``script_args`` (``["train.py", "--flag", ...]`` or ``["-m", "pkg.mod", ...]``)
     on ``nproc`` workers on this node, ``nproc * nnodes`` in all; returns 0 when every
@@ -96,6 +103,12 @@ def launch(
     ``timeout_s`` bounds the whole job (None: no limit). Several nodes: run the same call
     on every node with its ``node_rank``, the same ``master_addr`` (node 0's address)
     and an explicit ``master_port``.
+
+    ``collective_timeout_s`` is how long a rank waits in a collective for its peers
+    (``MS_CPU_COMM_OP_TIMEOUT`` on the CPU backend, unless the environment sets it): MindSpore's
+    default of 30 s fails a job whenever one rank is half a minute behind the others (a
+    graph compiling on a loaded machine, rank 0 evaluating or saving). Keep it above the
+    longest such gap; a rank that is truly hung is the trainer's watchdog's to report.
 
     SIGTERM, SIGINT (Ctrl-C) or SIGHUP to the launcher is forwarded to every worker, which
     finishes its step (all ranks agree on it), saves and exits; the call then raises
@@ -125,7 +138,7 @@ def launch(
     ended = log_dir / "ended"
     shutil.rmtree(ended, ignore_errors=True)  # a previous job's marks
     ended.mkdir()
-    run_env = _msrun_env(env, stop_grace_s, lock)
+    run_env = _msrun_env(env, stop_grace_s, lock, collective_timeout_s)
     run_env[RUN_ENDED_ENV] = str(ended)
     with open(log_dir / "msrun.log", "ab") as out:
         # msrun in a session of its own: a terminal's Ctrl-C reaches this launcher only (msrun
@@ -216,8 +229,10 @@ def _msrun_command(args: list[str], world: int, nproc: int, node_rank: int, mast
     return cmd
 
 
-def _msrun_env(env: dict | None, stop_grace_s: float, lock: RunLock | None) -> dict:
+def _msrun_env(env: dict | None, stop_grace_s: float, lock: RunLock | None,
+               collective_timeout_s: int) -> dict:  # fmt: skip
     run_env = dict(os.environ if env is None else env)
+    run_env.setdefault(CPU_COMM_TIMEOUT_ENV, str(int(collective_timeout_s)))
     # msrun starts workers with the `python` on PATH: make it this interpreter
     bindir = os.path.dirname(sys.executable)
     run_env["PATH"] = bindir + os.pathsep + run_env.get("PATH", "")

@@ -62,6 +62,10 @@ def diagnose(log_dir: str | os.PathLike, returncode: int = 1) -> str:
                 if _ERR_PAT.match(line):
                     err = line
             failed.append((_rank_of(log), err or "traceback (see log)"))
+        else:  # a script that reports its own failure in one line (mindloom's CLIs)
+            said = [ln.strip() for ln in text.splitlines() if ln.startswith("error: ")]
+            if said:
+                failed.append((_rank_of(log), said[-1]))
     rendezvous = [r for r, e in failed if _RDV_PAT.search(e)]
     if rendezvous and len(rendezvous) == len(failed):
         return (
@@ -73,12 +77,13 @@ def diagnose(log_dir: str | os.PathLike, returncode: int = 1) -> str:
         rank, err = failed[0]
         more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         return f"worker rank {rank} failed: {err[:300]}{more}; logs in {log_dir}"
-    texts = [p.read_text(errors="replace") for p in log_dir.glob("*.log")]
-    if any(_TIMEOUT_PAT.search(t) for t in texts):
-        return (
-            f"rendezvous or collective timed out (exit {returncode}): not every worker joined; "
-            f"logs in {log_dir}"
-        )
+    for log in sorted(log_dir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if _TIMEOUT_PAT.search(line):
+                return (
+                    f"rendezvous or collective timed out (exit {returncode}): {log.name}: "
+                    f"{line.strip()[:300]}; logs in {log_dir}"
+                )
     return f"msrun exited with {returncode}: a worker died without a Python error (killed?); logs in {log_dir}"
 
 

@@ -130,6 +130,7 @@ def _launch_locked(args, cfg, lock) -> int:
             cluster_timeout_s=args.timeout,
             stop_grace_s=args.stop_grace,
             lock=lock,
+            collective_timeout_s=_collective_timeout_s(cfg),
         )
     except LaunchStopped as exc:  # the documented clean stop: exit 0, like one process
         print(f"launch: {exc}", file=sys.stderr)
@@ -140,6 +141,14 @@ def _launch_locked(args, cfg, lock) -> int:
         raise CommandError(f"config parallelism: {exc}") from None
     print(f"launch: {world} workers finished; per-rank logs in {log_dir}")
     return 0
+
+
+def _collective_timeout_s(cfg) -> int:
+    """MindSpore's own limit on a collective, above every budget of the step watchdog:
+    a rank waiting for a compiling, evaluating or saving peer is within budget, and a hung
+    peer is reported by the watchdog (rank, step, phase), not by a failed AllReduce."""
+    p = cfg.parallelism
+    return int(max(p.first_step_timeout_s, p.comm_timeout_s)) + 120
 
 
 def _model_before_tokenizer(cfg) -> dict | None:
