@@ -39,8 +39,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 def worker(args) -> int:
     import mindspore as ms
     import numpy as np
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import (
         ParallelConfig,
         ParallelEngine,

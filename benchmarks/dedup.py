@@ -401,8 +401,8 @@ def main(argv=None) -> int:
     if ours:
         # Where mindloom's misses come from: a true pair that shares no band with
         # mindloom's own signatures is beyond any verification of candidates.
-        from mindloom_data._minhash import MinHasher
-        from mindloom_data._pipeline import DEFAULTS
+        from mindloom_data import CLEAN_DEFAULTS as DEFAULTS
+        from mindloom_data import MinHasher
 
         probes = DEFAULTS["dedup"]["minhash"]["probe_bands"]
         ta = [a for a, _ in truth.true]

@@ -24,8 +24,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from mindloom_data._filters import TextInfo, build_filters
-from mindloom_data._normalize import Normalizer
+from mindloom_data import Normalizer, TextInfo, build_filters
 
 LANGS = ("zh", "mixed", "en", "code")
 DEFAULT_SET = Path(__file__).parent.parent / "packages/data/tests/data/filter_eval.jsonl"

@@ -103,8 +103,9 @@ def variant_cells():
     one of the two logit statistics. Unused columns are zeros (constants), so the host side
     reads the same five columns for every arm."""
     import mindspore as ms
+    from mindloom_train import TrainStep
     from mindloom_train._numerics import _logit_stats_cells
-    from mindloom_train._step import TrainStep, sum_all
+    from mindloom_train._step import sum_all
     from mindspore import ops
 
     def zero():
@@ -163,13 +164,12 @@ def main(argv=None) -> int:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(args.threads)
     os.environ.setdefault("GLOG_v", "3")
-    from mindloom_train import from_dict
+    from mindloom_train import from_dict, hyper_vector
     from mindloom_train._build import build_model
     from mindloom_train._health import HealthMonitor
     from mindloom_train._metrics import MetricsWriter
     from mindloom_train._runner import CompiledRunner, StepInputs
     from mindloom_train._runtime import Runtime
-    from mindloom_train._step import hyper_vector
     from mindloom_train._throughput import FlopsBudget, ThroughputWindow, metrics_record
 
     run_dir = Path(tempfile.mkdtemp(prefix="health_overhead_"))

@@ -113,8 +113,7 @@ def say(kind, payload):
 
 def mindspore_models(args, tsb):
     import mindspore as ms
-    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, Llama, LlamaWithLoss, get_preset
-    from mindloom_model._deepseek import MoE
+    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, Llama, LlamaWithLoss, MoE, get_preset
     from mindloom_train import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor, nn
 
@@ -189,8 +188,7 @@ def torch_models(args, tsb):
     import torch
     import torch.nn.functional as F
     import transformers
-    from mindloom_model import get_preset
-    from mindloom_model._hf_deepseek import deepseek_hf_config
+    from mindloom_model import deepseek_hf_config, get_preset
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mindloom_monitor._source import RunSource, apply_batch
-from mindloom_monitor._stats import RunData
+from mindloom_monitor import RunData, RunSource, apply_batch
 
 
 def write_metrics(path: Path, n: int) -> None:

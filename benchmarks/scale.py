@@ -92,8 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ray", action="store_true")
     args = ap.parse_args(argv)
 
-    from mindloom_data import clean
-    from mindloom_data._executors import LocalExecutor, RayExecutor
+    from mindloom_data import LocalExecutor, RayExecutor, clean
 
     tmp = Path(tempfile.mkdtemp(prefix="mindloom-scale-"))
     try:

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
             f"train {kind:9s} vocab {r['vocab_size']:6d}: {r['seconds']:7.1f} s training, "
             f"{r['wall_s']:7.1f} s process, peak RSS {r['peak_rss_mb']:7.0f} MB"
         )
-    from mindloom_tokenizer._export import export_hf
+    from mindloom_tokenizer import export_hf
 
     export_hf(workdir / "mindloom")
 

@@ -448,7 +448,7 @@ def _run(args, tmp: Path) -> int:
     print(f"{'fastwarc / warcio':<44} {slow / fast:>9.2f}x")
 
     print("\n2. Extractors, same decoded pages")
-    from mindloom_data._extract import Extractor
+    from mindloom_data import Extractor
 
     extracted = {}
     for method in ("resiliparse", "trafilatura"):
@@ -508,13 +508,18 @@ def _run(args, tmp: Path) -> int:
 def _profile(truth: dict, files: list[str], extracted: dict) -> None:
     import copy
 
-    from mindloom_data._extract import Extractor
-    from mindloom_data._filters import TextInfo, build_filters
-    from mindloom_data._langid import LanguageIdentifier
-    from mindloom_data._normalize import Normalizer
-    from mindloom_data._pipeline import DEFAULTS
-    from mindloom_data._readers import ReadStats
-    from mindloom_data._web import WEB_DEFAULTS, WebSteps, iter_web_file
+    from mindloom_data import CLEAN_DEFAULTS as DEFAULTS
+    from mindloom_data import (
+        WEB_DEFAULTS,
+        Extractor,
+        LanguageIdentifier,
+        Normalizer,
+        ReadStats,
+        TextInfo,
+        WebSteps,
+        build_filters,
+        iter_web_file,
+    )
 
     n = len(truth)
 

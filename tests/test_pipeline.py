@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import sentencepiece as spm
-from mindloom_train._cli import main
+from mindloom_train import main
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def demo(tmp_path_factory) -> Path:
     env = {**os.environ, "GLOG_v": "3"}
     env.pop("MINDLOOM_FAULT", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "mindloom_train._cli", "demo", "--quick", "--run-dir", str(run)],
+        [sys.executable, "-m", "mindloom_train", "demo", "--quick", "--run-dir", str(run)],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
@@ -64,7 +64,7 @@ def test_demo_runs_the_whole_pipeline_and_the_monitor_reads_it(demo, capsys):
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert latest == "30" and (run / "checkpoints" / "step_00000030" / "common.json").exists()
     # mindloom-monitor opens it (plain-text summary mode)
-    from mindloom_monitor._cli import main as monitor_main
+    from mindloom_monitor import main as monitor_main
 
     capsys.readouterr()
     assert monitor_main(["--once", str(run)]) == 0
@@ -74,7 +74,7 @@ def test_demo_runs_the_whole_pipeline_and_the_monitor_reads_it(demo, capsys):
 
 
 def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, capsys):
-    from mindloom_train._cli import main
+    from mindloom_train import main
 
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -165,8 +165,7 @@ def test_generate_reports_a_tokenizer_without_the_datas_bos(demo, tmp_path, caps
 def test_held_out_data_made_otherwise_is_reported(demo, tmp_path):
     from mindloom_data import tokenize
     from mindloom_tokenizer import Tokenizer
-    from mindloom_train._config import ConfigError
-    from mindloom_train._data import data_contract
+    from mindloom_train import ConfigError, data_contract
 
     tok = Tokenizer.load(demo / "tokenizer")
     tokenize(demo / "data" / "eval.jsonl", demo / "tokenizer", tmp_path / "nobos", append_bos=False)
@@ -205,7 +204,7 @@ def test_checkpoint_best(demo, tmp_path, capsys):
         main(["export-hf", "--checkpoint", str(save / "best"), "--out", str(tmp_path / "hf")]) == 0
     )
     assert "step 20" in capsys.readouterr().out
-    from mindloom_train._checkpoint import open_checkpoint
+    from mindloom_train import open_checkpoint
     from safetensors.numpy import load_file
 
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -26,9 +26,8 @@ from mindloom_data import IndexedDataset, IndexedDatasetBuilder, PackedDataset, 
 from mindloom_data._cli import main
 from mindloom_data._pipeline import CleanError, load_config
 from mindloom_data._readers import ReadStats
-from mindloom_tokenizer import Tokenizer, train_tokenizer
-from mindloom_tokenizer._readers import ReadStats as TokReadStats
-from mindloom_tokenizer._readers import iter_texts
+from mindloom_tokenizer import ReadStats as TokReadStats
+from mindloom_tokenizer import Tokenizer, iter_texts, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_exec_util import make_corpus  # noqa: E402

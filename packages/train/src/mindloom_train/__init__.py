@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "prepare_tokenizer": "_data",
     "prepare_dataset": "_data",
     "tokenizer_dir": "_data",
+    "data_contract": "_data",
     # the compiled step, for benchmarks and experiments outside the trainer
     "TrainStep": "_step",
     "decay_flags": "_step",
