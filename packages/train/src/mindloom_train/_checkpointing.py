@@ -7,16 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mindloom_train import _checkpoint as ck
-from mindloom_train._ckpt_dist import DistributedCheckpoints, PendingSave
+from mindloom_train._ckpt_dist import DistributedCheckpoints, PendingSave, owned_copy
 from mindloom_train._config import Config, ConfigError, drift_hash, show
 from mindloom_train._errors import TrainError
 from mindloom_train._schedule import schedule_signature
@@ -110,10 +107,8 @@ class CheckpointManager(DistributedCheckpoints):
             self.last_saved_step = step
             return None
         shards, metadata = out
-        if background:  # the arrays may alias live parameter memory: own them
-            shards = {
-                f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in shards.items()
-            }
+        if background:
+            shards = owned_copy(shards)
         metadata["layout"] = self._layout()
         common = self._common(step)
         kwargs = dict(
@@ -127,19 +122,11 @@ class CheckpointManager(DistributedCheckpoints):
             self._saved(step, reason, path, time.perf_counter() - t0)
             return path
         job = PendingSave(step, reason, t0, time.perf_counter() - t0)
-
-        def write() -> None:
-            try:
-                job.path = ck.save_checkpoint(self.save_path, step, shards, common, **kwargs)
-            except BaseException as exc:  # reported by the training thread
-                job.error = exc
-            job.t1 = time.perf_counter()
-
-        job.thread = threading.Thread(target=write, name=f"checkpoint-{step}")
-        job.thread.start()
-        self._pending = job
+        # logged before the writer starts: a kill during the write finds the line in train.log
         self.log(f"checkpoint: writing step {step} in the background "
                  f"(state copied in {job.snapshot_s:.2f}s)")  # fmt: skip
+        job.start(lambda: ck.save_checkpoint(self.save_path, step, shards, common, **kwargs))
+        self._pending = job
         return None
 
     def safe_save(self, step: int, reason: str, background: bool = False) -> None:

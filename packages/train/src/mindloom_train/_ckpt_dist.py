@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,28 @@ class PendingSave:
     t1: float = 0.0
     dist: dict | None = None  # a distributed save: what rank 0 commits after the barrier
 
+    def write(self, write_files: Callable[[], Path]) -> None:
+        """Run `write_files` here, keeping its path, or its error for the training thread
+        to report (after the barrier, on a distributed save)."""
+        try:
+            self.path = write_files()
+        except BaseException as exc:
+            self.error = exc
+        self.t1 = time.perf_counter()
+
+    def start(self, write_files: Callable[[], Path]) -> None:
+        """`write` in a writer thread of its own."""
+        self.thread = threading.Thread(
+            target=self.write, args=(write_files,), name=f"checkpoint-{self.step}"
+        )
+        self.thread.start()
+
+
+def owned_copy(shards: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """The arrays may alias live parameter memory, which the next steps change while a
+    background write runs: copies the writer owns."""
+    return {f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in shards.items()}
+
 
 class DistributedCheckpoints:
     def _own_shards(self):
@@ -44,9 +67,7 @@ class DistributedCheckpoints:
         """Every rank writes its own files (in a writer thread with `background`), then at
         a point every rank reaches together (`_finalize`) a barrier, and only then rank 0
         merges the ranks' indexes into metadata.json and commits."""
-        files = own.files
-        if background:  # the arrays may alias live parameter memory: own them
-            files = {f: {k: np.array(v, copy=True) for k, v in t.items()} for f, t in files.items()}
+        files = owned_copy(own.files) if background else own.files
         job = PendingSave(step, reason, t0, time.perf_counter() - t0)
         job.dist = {"nbytes": sum(a.nbytes for t in files.values() for a in t.values())}
         if self.rt.rank == 0:
@@ -55,24 +76,19 @@ class DistributedCheckpoints:
             job.dist.update(metadata=metadata, common=self._common(step))
         progress = self.fault.on_save_progress if self.fault else None
 
-        def write() -> None:
-            try:
-                job.path = ck.write_rank_files(self.save_path, step, files, own.tensors,
-                                               self.rt.rank, self.rt.world, progress)  # fmt: skip
-            except BaseException as exc:  # reported after the barrier
-                job.error = exc
-            job.t1 = time.perf_counter()
+        def write() -> Path:
+            return ck.write_rank_files(self.save_path, step, files, own.tensors,
+                                       self.rt.rank, self.rt.world, progress)  # fmt: skip
 
         if not background:
-            write()
+            job.write(write)
             self._pending = job
             self.wait_pending()
             return job.path
-        job.thread = threading.Thread(target=write, name=f"checkpoint-{step}")
-        job.thread.start()
-        self._pending = job
         self.log(f"checkpoint: writing step {step} in the background, every rank its own "
                  f"files (state copied in {job.snapshot_s:.2f}s)")  # fmt: skip
+        job.start(write)
+        self._pending = job
         return None
 
     def _finalize(self, job: PendingSave) -> None:
