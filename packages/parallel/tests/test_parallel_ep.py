@@ -51,6 +51,25 @@ def test_ep_is_carved_out_of_dp():
         ParallelDims(ep=1).check(MOE, world_size=2)
 
 
+def test_dp_not_given_is_derived_from_the_world_size():
+    """torchtitan's dp_shard = -1: a section without dp, read with a world size, gets
+    world / (tp*pp); a given dp keeps its meaning; no world size (one process): dp 1."""
+    assert ParallelDims.from_section({"ep": 2}, world_size=2) == ParallelDims(dp=2, ep=2)
+    assert ParallelDims.from_section({"tp": 2}, world_size=8).dp == 4
+    assert ParallelDims.from_section({"tp": 2, "pp": 2}, world_size=4).dp == 1
+    assert ParallelDims.from_section({"dp": 1}, world_size=2).dp == 1  # then check refuses
+    assert ParallelDims.from_section({"ep": 2}).dp == 1
+    ParallelDims.from_section({"ep": 2}, world_size=4).check(MOE, world_size=4)  # dp 4, edp 2
+    with pytest.raises(ParallelConfigError) as e:
+        ParallelDims.from_section({"tp": 2, "ep": 2}, world_size=3)
+    assert str(e.value) == (
+        "world size 3 is not divisible by tp*pp = 2*1 = 2: parallelism.dp is not given, so "
+        "it is derived as world / (tp*pp)"
+    )
+    with pytest.raises(ParallelConfigError, match="ep = 2 does not divide parallelism.dp = 1"):
+        ParallelDims.from_section({"tp": 2, "ep": 2}, world_size=2).check(MOE, world_size=2)
+
+
 def test_ep_groups_are_consecutive_dp_ranks_and_edp_the_same_experts():
     # dp 4, ep 2: ep groups {0,1} {2,3}; ranks 0 and 2 hold experts 0-3 (edp group)
     p = ParallelDims(dp=4, ep=2)

@@ -6,10 +6,10 @@ dense, one MoE with 8 routed experts) plus its MTP block (2 routers), the balanc
 a bias speed large enough to move the routing. Runs:
 
 - A: one process, 20 steps, a checkpoint every step (in this process);
-- L: `mindloom launch --nproc 2 ... --set parallelism.dp=2 --set parallelism.ep=2`
-  resuming from a copy of A's step-1 checkpoint (one process -> ep2), steps 2-20,
-  checkpoints every 5 steps;
-- L2: the same launch resuming from a copy of L's step-10 checkpoint, stopped by SIGTERM
+- L: `mindloom launch --nproc 2 ...` with `parallelism: {ep: 2}` (dp not given: derived
+  from the 2 workers, the quick start's form) resuming from a copy of A's step-1
+  checkpoint (one process -> ep2), steps 2-20, checkpoints every 5 steps;
+- L2: the same launch with `dp: 2` given, resuming from a copy of L's step-10 checkpoint, stopped by SIGTERM
   during update 15 (it saves step 15 and exits 0): same-ep resume;
 - R: one process resuming from L2's SIGTERM checkpoint (ep2 -> one process), steps 16-20.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
 from train_testutil import (
     base_config,
@@ -41,6 +42,7 @@ SPEED = 0.01
 E, R = 8, 2  # routed experts; routers (the trunk MoE layer and the MTP block's)
 SLOTS = 8 * 32 * 2  # token-slots per router and step: 8 samples x 32 tokens x k = 2
 EP = {"dp": 2, "ep": 2}
+EP_DERIVED = {"ep": 2}  # dp = world / (tp*pp) = 2
 
 
 def _config(prepared, run: Path, **sections) -> dict:
@@ -73,7 +75,7 @@ def runs(prepared, tmp_path_factory) -> dict:
     every = {"save_interval": 1, "keep_last": STEPS + 1}
     assert run_config(_config(prepared, out["a"], checkpoint=every)) == 0
     _seed_checkpoint(out["a"], 1, out["l"])
-    procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP), root / "l.yaml",
+    procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP_DERIVED), root / "l.yaml",
                                timeout_s=500)}  # fmt: skip
     try:
         wait_launches(procs, timeout_s=560)
@@ -109,6 +111,21 @@ def _biases(t: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack([t[k] for k in names])
 
 
+def test_dp_not_given_is_the_world_under_launch_and_1_on_one_process(prepared, tmp_path):
+    from mindloom_train._config import ConfigError, from_dict
+
+    assert from_dict(_config(prepared, tmp_path)).parallelism.dp == 1  # one process
+    cfg = _config(prepared, tmp_path, parallelism=EP_DERIVED)
+    assert from_dict(cfg, world_size=2).parallelism.dp == 2
+    with pytest.raises(ConfigError, match="ep = 2 does not divide parallelism.dp = 1"):
+        from_dict(cfg)  # one process has no ep group
+    given = _config(prepared, tmp_path, parallelism={"dp": 1, "tp": 1})
+    assert from_dict(given, world_size=2).parallelism.dp == 1  # launch then refuses it
+    with pytest.raises(ConfigError, match=r"^config parallelism: world size 3 is not divisible "
+                       r"by tp\*pp = 2\*1 = 2: parallelism.dp is not given"):  # fmt: skip
+        from_dict(_config(prepared, tmp_path, parallelism={"tp": 2}), world_size=3)
+
+
 def test_ep2_losses_loads_and_biases_equal_one_process(runs):
     a, b = step_records(runs["a"]), step_records(runs["l"])
     assert sorted(b) == list(range(2, STEPS + 1))
@@ -118,6 +135,9 @@ def test_ep2_losses_loads_and_biases_equal_one_process(runs):
         # the routing decisions of the whole global batch: the same token-slots per expert
         assert b[step]["moe_load"] == a[step]["moe_load"], step
     assert a[2]["moe_load"] != a[STEPS]["moe_load"]  # the bias moved the routing
+    # dp was not given: the launcher and both workers derived 2 from the world size
+    resolved = yaml.safe_load((runs["l"] / "config.yaml").read_text())["parallelism"]
+    assert (resolved["dp"], resolved["ep"]) == (2, 2)
     for step in (5, 10, 15, 20):
         ta, tb = _tensors(runs["a"], step), _tensors(runs["l"], step)
         np.testing.assert_array_equal(_biases(tb), _biases(ta), err_msg=f"step {step}")
