@@ -300,9 +300,11 @@ class MoE(ExpertParallelMoE, nn.Cell):
         assign = one.sum(1)  # [N, E] 0/1
         combine = (one * w.expand_dims(-1)).sum(1)  # [N, E] fp32
         load = ops.stop_gradient(assign.sum(0))  # [E]
-        if self.ep_in is not None:  # dropless (mindloom-train refuses a capacity factor)
+        if self.ep_in is not None and (self.capacity_factor is None or not self.training):
             y = self._expert_parallel(flat, idx, w)
             dropped = ops.zeros((), ms.float32)
+        elif self.ep_in is not None:
+            y, dropped = self._ep_capacity(flat, idx, w, assign)
         elif (self.capacity_factor is None or not self.training) and self.dropless == "dense":
             y = self._dropless_dense(flat, combine)
             dropped = ops.zeros((), ms.float32)
