@@ -212,6 +212,14 @@ def test_same_ep_resume_with_a_capacity_drops_what_one_process_drops(runs, resum
         assert b[step]["moe_load"] == a[step]["moe_load"], step
         assert b[step]["moe_dropped_tokens"] == a[step]["moe_dropped_tokens"], step
     assert sum(b[step]["moe_dropped_tokens"] for step in b) > 0  # the capacity dropped some
+    # NumPy bounds from the recorded global loads L_e of each router (2 ranks, C = 32 per
+    # rank): sum_e max(0, L_e - 2C) <= dropped <= sum_e max(0, L_e - C); a count from
+    # one rank, or a mean over ranks, falls below the lower bound
+    cap = 1.0 * SLOTS / 2 / E  # ceil(cf * N * k / E) with N = 4 x 32 tokens per rank
+    for step in b:
+        load = np.asarray(b[step]["moe_load"], np.float64) * SLOTS  # [R, E] token-slots
+        low, high = np.maximum(load - 2 * cap, 0).sum(), np.maximum(load - cap, 0).sum()
+        assert low <= b[step]["moe_dropped_tokens"] <= high, (step, low, high)
     ta, tb = _tensors(resumed["ac"], 15), _tensors(l2, 15)
     assert sorted(ta) == sorted(tb)
     np.testing.assert_array_equal(_biases(tb), _biases(ta))
