@@ -3,6 +3,7 @@ both through `mindloom launch --nproc 2` on this machine, in the same invocation
 
     ./dev bench benchmarks/moe_parallel.py [--preset deepseek-v3-debug] [--steps 30]
                                           [--repeats 1] [--gbs 16] [--mbs 8]
+                                          [--capacity CF]
 
 Arms alternate (dp2, ep2, dp2, ep2, ...) on one prepared tokenizer and dataset (the bundled
 corpus, a character tokenizer); each arm is a real launch (msrun, 2 CPU workers, the
@@ -17,6 +18,10 @@ What the CPU can show: the exchange's cost next to compute when two workers shar
 cores. What it cannot: the speed-up of the expert matmuls split over devices (a dropless
 static buffer holds the worst case, so each rank's expert matmuls are one process's
 size), nor a native all-to-all (MCCL has none).
+
+`--capacity CF` runs both arms with `model.moe_capacity_factor = CF` (the same tokens
+dropped in both: each rank's own): dp2 runs the one-process capacity layout on each rank,
+ep2 its E/2 experts on a fixed [E/2, 2 C, D] buffer instead of the dropless worst case.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def _prepare(root: Path) -> dict:
 
 def _config(prep: dict, run: Path, args, ep: int) -> dict:
     return {
-        "model": {"preset": args.preset, "vocab_size": None},
+        "model": {"preset": args.preset, "vocab_size": None,
+                  "moe_capacity_factor": args.capacity},
         "tokenizer": {"path": prep["tokenizer"]},
         "train_dataset": {"data_prefix": [prep["train"]], "seq_length": args.seq},
         "training": {"train_iters": args.steps, "global_batch_size": args.gbs,
@@ -87,6 +93,7 @@ def _arm(prep: dict, root: Path, args, ep: int, rep: int) -> dict:
     if ep > 1:
         out["exchange_share"] = med("ep_exchange_share")
         out["tokens_sent"] = med("ep_tokens_sent")
+    out["dropped"] = med("moe_dropped_tokens")
     return out
 
 
@@ -98,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--capacity", type=float, default=None, help="moe_capacity_factor")
     args = ap.parse_args(argv)
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,13 +119,16 @@ def main(argv=None) -> int:
     dp2 = statistics.median(a["ms_per_step"] for a in arms[1])
     ep2 = statistics.median(a["ms_per_step"] for a in arms[2])
     print(f"{args.preset}, global batch {args.gbs} x {args.seq}, micro-batch {args.mbs}, "
-          f"{args.steps} steps, 2 workers")  # fmt: skip
+          f"{args.steps} steps, 2 workers, capacity factor {args.capacity or 'none (dropless)'}")  # fmt: skip
     print(
         f"dp2: {dp2:.1f} ms/step, comm share {statistics.median(a['comm_share'] for a in arms[1]):.1%}"
     )
     print(f"ep2: {ep2:.1f} ms/step, comm share {statistics.median(a['comm_share'] for a in arms[2]):.1%}, "
           f"exchange share {statistics.median(a['exchange_share'] for a in arms[2]):.1%}, "
           f"tokens sent per rank and step {statistics.median(a['tokens_sent'] for a in arms[2]):.0f}")  # fmt: skip
+    if args.capacity:
+        print(f"dropped token-slots per step (median): dp2 {statistics.median(a['dropped'] for a in arms[1]):.0f}, "
+              f"ep2 {statistics.median(a['dropped'] for a in arms[2]):.0f}")  # fmt: skip
     print(f"ratio ep2 / dp2 step time: {ep2 / dp2:.2f}")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0

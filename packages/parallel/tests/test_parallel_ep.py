@@ -51,6 +51,25 @@ def test_ep_is_carved_out_of_dp():
         ParallelDims(ep=1).check(MOE, world_size=2)
 
 
+def test_dp_not_given_is_derived_from_the_world_size():
+    """torchtitan's dp_shard = -1: a section without dp, read with a world size, gets
+    world / (tp*pp); a given dp keeps its meaning; no world size (one process): dp 1."""
+    assert ParallelDims.from_section({"ep": 2}, world_size=2) == ParallelDims(dp=2, ep=2)
+    assert ParallelDims.from_section({"tp": 2}, world_size=8).dp == 4
+    assert ParallelDims.from_section({"tp": 2, "pp": 2}, world_size=4).dp == 1
+    assert ParallelDims.from_section({"dp": 1}, world_size=2).dp == 1  # then check refuses
+    assert ParallelDims.from_section({"ep": 2}).dp == 1
+    ParallelDims.from_section({"ep": 2}, world_size=4).check(MOE, world_size=4)  # dp 4, edp 2
+    with pytest.raises(ParallelConfigError) as e:
+        ParallelDims.from_section({"tp": 2, "ep": 2}, world_size=3)
+    assert str(e.value) == (
+        "world size 3 is not divisible by tp*pp = 2*1 = 2: parallelism.dp is not given, so "
+        "it is derived as world / (tp*pp)"
+    )
+    with pytest.raises(ParallelConfigError, match="ep = 2 does not divide parallelism.dp = 1"):
+        ParallelDims.from_section({"tp": 2, "ep": 2}, world_size=2).check(MOE, world_size=2)
+
+
 def test_ep_groups_are_consecutive_dp_ranks_and_edp_the_same_experts():
     # dp 4, ep 2: ep groups {0,1} {2,3}; ranks 0 and 2 hold experts 0-3 (edp group)
     p = ParallelDims(dp=4, ep=2)
@@ -127,3 +146,80 @@ def test_per_rank_expert_blocks_sum_to_the_whole_layer_forward_and_backward():
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
     assert np.abs(want[0]).max() > 0.01
+
+
+def test_ep_capacity_drops_at_the_source_like_one_process_and_numpy():
+    """Capacity factor 1 under ep 2, done by hand in one process: each 'rank' routes its
+    own 16 tokens and drops at the source (the rows it sends carry expert id -1 for a
+    dropped slot); the gather is both ranks' rows concatenated; each rank's block of
+    experts runs on the slots sent to it; the combine is the sum of the partial outputs.
+    References: NumPy's drop rule (per rank, an expert keeps its first cap routed tokens),
+    NumPy's SwiGLU experts on the kept slots, and the one-process capacity layer on each
+    rank's tokens (what one process computes on that micro-batch)."""
+    import math
+
+    import mindspore as ms
+    import numpy as np
+    from mindloom_model import DeepseekV3, get_preset
+    from mindspore import Parameter, Tensor, ops
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    cfg = get_preset("deepseek-v3-debug", vocab_size=64, num_layers=2, init_std=0.3,
+                     moe_capacity_factor=1.0)  # fmt: skip
+    moe = DeepseekV3(cfg).layers[1].mlp
+    moe.set_train(True)
+    n, d, e, k = 16, cfg.hidden_size, moe.e, moe.k
+    cap = math.ceil(1.0 * n * k / e)
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((n, d)).astype(np.float32) for _ in range(2)]
+    full = {name: getattr(moe.experts, name).asnumpy() for name in ("w1", "w2", "w3")}
+    on, off = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+    sent, keeps, routes, one_process = [], [], [], []
+    for x in xs:
+        y1, _, drop1, _ = moe(Tensor(x).reshape(1, n, d))  # one process, the same capacity
+        shared = moe.shared(Tensor(x)).asnumpy()
+        one_process.append((y1.asnumpy().reshape(n, d) - shared, float(drop1)))
+        idx, w, _ = moe.gate(Tensor(x))
+        assign = ops.one_hot(idx, e, on, off).sum(1)
+        rows, drop = moe._ep_capacity_rows(Tensor(x), idx, w, assign)
+        idx, w, rows = idx.asnumpy(), w.asnumpy(), rows.asnumpy()
+        keep, count = np.zeros((n, k), bool), np.zeros(e, int)
+        for t in range(n):  # NumPy: earlier tokens first, cap per expert (one per token)
+            for j in range(k):
+                keep[t, j] = count[idx[t, j]] < cap
+                count[idx[t, j]] += 1
+        np.testing.assert_array_equal(rows[:, d + k :], np.where(keep, idx, -1))
+        assert float(drop) == (~keep).sum() == one_process[-1][1]
+        sent.append(rows)
+        keeps.append(keep)
+        routes.append((idx, w))
+    assert sum(int((~kp).sum()) for kp in keeps) > 0  # capacity 1 drops some slots
+    gathered = Tensor(np.concatenate(sent))
+    part = np.zeros((2 * n, d), np.float32)
+    try:
+        for r in range(2):
+            s, c = expert_block(e, 2, r)
+            for name, a in full.items():
+                setattr(moe.experts, name, Parameter(Tensor(a[s : s + c]), name=name))
+            moe.ep_start, moe.ep_local = s, c
+            part += moe._ep_capacity_experts(gathered, n, ms.float32).asnumpy()
+    finally:
+        for name, a in full.items():
+            setattr(moe.experts, name, Parameter(Tensor(a), name=name))
+        moe.ep_start, moe.ep_local = 0, e
+
+    def swiglu(x, ex):
+        a, b = x @ full["w1"][ex].T, x @ full["w3"][ex].T
+        return (a / (1 + np.exp(-a)) * b) @ full["w2"][ex].T
+
+    for r in range(2):
+        (idx, w), keep, x = routes[r], keeps[r], xs[r].astype(np.float64)
+        want = np.zeros((n, d))
+        for t in range(n):
+            for j in range(k):
+                if keep[t, j]:
+                    want[t] += w[t, j] * swiglu(x[t], idx[t, j])
+        got = part[r * n : (r + 1) * n]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"rank {r}")
+        # y - shared of the one-process layer: fp32 rounding of outputs up to ~15
+        np.testing.assert_allclose(got, one_process[r][0], rtol=1e-5, atol=1e-5)

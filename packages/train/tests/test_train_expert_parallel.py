@@ -6,16 +6,21 @@ dense, one MoE with 8 routed experts) plus its MTP block (2 routers), the balanc
 a bias speed large enough to move the routing. Runs:
 
 - A: one process, 20 steps, a checkpoint every step (in this process);
-- L: `mindloom launch --nproc 2 ... --set parallelism.dp=2 --set parallelism.ep=2`
-  resuming from a copy of A's step-1 checkpoint (one process -> ep2), steps 2-20,
-  checkpoints every 5 steps;
-- L2: the same launch resuming from a copy of L's step-10 checkpoint, stopped by SIGTERM
-  during update 15 (it saves step 15 and exits 0): same-ep resume;
-- R: one process resuming from L2's SIGTERM checkpoint (ep2 -> one process), steps 16-20.
+- L: `mindloom launch --nproc 2 ...` with `parallelism: {ep: 2}` (dp not given: derived
+  from the 2 workers, the quick start's form) resuming from a copy of A's step-1
+  checkpoint (one process -> ep2), steps 2-20, checkpoints every 5 steps;
+- L2: the same launch with `dp: 2` given and a capacity factor (`moe_capacity_factor: 1`,
+  `override_drift`) resuming from a copy of L's step-10 checkpoint (same-ep resume),
+  stopped by SIGTERM during update 15 (it saves step 15 and exits 0);
+- AC: one process with the same capacity factor from the same step-10 checkpoint, steps
+  11-20 (run while L2's workers start);
+- R: one process with the capacity factor resuming from L2's SIGTERM checkpoint (ep2 ->
+  one process), steps 16-20.
 
-References: A (losses within 1e-5 relative, the same expert loads and biases), NumPy
-(the bias rule from the recorded loads, the tokens an all-to-all would move from A's
-loads), and L itself for L2 (bit-exact).
+References: A and AC (losses within 1e-5 relative, the same expert loads, dropped slots
+and biases), NumPy (the bias rule from the recorded loads, the tokens an all-to-all would
+move from A's loads; which slots a capacity drops: mindloom-parallel's
+test_parallel_ep.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from mindloom_train._checkpoint import Checkpoint, read_tracker
 from train_testutil import (
     base_config,
@@ -41,6 +47,8 @@ SPEED = 0.01
 E, R = 8, 2  # routed experts; routers (the trunk MoE layer and the MTP block's)
 SLOTS = 8 * 32 * 2  # token-slots per router and step: 8 samples x 32 tokens x k = 2
 EP = {"dp": 2, "ep": 2}
+EP_DERIVED = {"ep": 2}  # dp = world / (tp*pp) = 2
+CAPACITY = {"moe_capacity_factor": 1.0}  # C = 32 slots per expert, rank and micro-batch
 
 
 def _config(prepared, run: Path, **sections) -> dict:
@@ -73,7 +81,7 @@ def runs(prepared, tmp_path_factory) -> dict:
     every = {"save_interval": 1, "keep_last": STEPS + 1}
     assert run_config(_config(prepared, out["a"], checkpoint=every)) == 0
     _seed_checkpoint(out["a"], 1, out["l"])
-    procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP), root / "l.yaml",
+    procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP_DERIVED), root / "l.yaml",
                                timeout_s=500)}  # fmt: skip
     try:
         wait_launches(procs, timeout_s=560)
@@ -84,19 +92,24 @@ def runs(prepared, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def resumed(prepared, runs) -> dict:
-    """L2 (ep2 from L's step 10, SIGTERM in update 15), then R (one process from L2's 15)."""
+    """L2 (ep2 + capacity from L's step 10, SIGTERM in update 15) with AC (one process +
+    capacity from the same checkpoint) run meanwhile, then R (one process from L2's 15)."""
     root = runs["root"]
-    l2, r = root / "l2", root / "r"
+    l2, ac, r = root / "l2", root / "ac", root / "r"
+    drift = {"override_drift": True}  # the capacity factor is a model setting
     _seed_checkpoint(runs["l"], 10, l2)
-    procs = {"l2": start_launch(_config(prepared, l2, parallelism=EP), root / "l2.yaml",
+    _seed_checkpoint(runs["l"], 10, ac)
+    procs = {"l2": start_launch(_config(prepared, l2, parallelism=EP, model=CAPACITY,
+                                        checkpoint=drift), root / "l2.yaml",
                                 fault="sigterm@15", timeout_s=500)}  # fmt: skip
     try:
+        assert run_config(_config(prepared, ac, model=CAPACITY, checkpoint=drift)) == 0
         wait_launches(procs, timeout_s=560)
     finally:
         stop_launches(procs, {"l2": l2 / "msrun_logs"})
     _seed_checkpoint(l2, 15, r)
-    assert run_config(_config(prepared, r)) == 0
-    return {"l2": l2, "r": r}
+    assert run_config(_config(prepared, r, model=CAPACITY)) == 0
+    return {"l2": l2, "ac": ac, "r": r}
 
 
 def _tensors(run: Path, step: int) -> dict[str, np.ndarray]:
@@ -109,6 +122,21 @@ def _biases(t: dict[str, np.ndarray]) -> np.ndarray:
     return np.stack([t[k] for k in names])
 
 
+def test_dp_not_given_is_the_world_under_launch_and_1_on_one_process(prepared, tmp_path):
+    from mindloom_train._config import ConfigError, from_dict
+
+    assert from_dict(_config(prepared, tmp_path)).parallelism.dp == 1  # one process
+    cfg = _config(prepared, tmp_path, parallelism=EP_DERIVED)
+    assert from_dict(cfg, world_size=2).parallelism.dp == 2
+    with pytest.raises(ConfigError, match="ep = 2 does not divide parallelism.dp = 1"):
+        from_dict(cfg)  # one process has no ep group
+    given = _config(prepared, tmp_path, parallelism={"dp": 1, "tp": 1})
+    assert from_dict(given, world_size=2).parallelism.dp == 1  # launch then refuses it
+    with pytest.raises(ConfigError, match=r"^config parallelism: world size 3 is not divisible "
+                       r"by tp\*pp = 2\*1 = 2: parallelism.dp is not given"):  # fmt: skip
+        from_dict(_config(prepared, tmp_path, parallelism={"tp": 2}), world_size=3)
+
+
 def test_ep2_losses_loads_and_biases_equal_one_process(runs):
     a, b = step_records(runs["a"]), step_records(runs["l"])
     assert sorted(b) == list(range(2, STEPS + 1))
@@ -117,7 +145,11 @@ def test_ep2_losses_loads_and_biases_equal_one_process(runs):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
         # the routing decisions of the whole global batch: the same token-slots per expert
         assert b[step]["moe_load"] == a[step]["moe_load"], step
+        assert b[step]["moe_dropped_tokens"] == a[step]["moe_dropped_tokens"] == 0  # dropless
     assert a[2]["moe_load"] != a[STEPS]["moe_load"]  # the bias moved the routing
+    # dp was not given: the launcher and both workers derived 2 from the world size
+    resolved = yaml.safe_load((runs["l"] / "config.yaml").read_text())["parallelism"]
+    assert (resolved["dp"], resolved["ep"]) == (2, 2)
     for step in (5, 10, 15, 20):
         ta, tb = _tensors(runs["a"], step), _tensors(runs["l"], step)
         np.testing.assert_array_equal(_biases(tb), _biases(ta), err_msg=f"step {step}")
@@ -166,23 +198,39 @@ def test_tokens_sent_and_received_per_rank_match_the_one_process_loads(runs):
         assert 0 < r["ep_exchange_s"] and 0 < r["ep_exchange_share"] <= 1
 
 
-def test_same_ep_resume_after_sigterm_is_bit_exact_including_the_bias(runs, resumed):
+def test_same_ep_resume_with_a_capacity_drops_what_one_process_drops(runs, resumed):
+    """L2 (ep2, resumed from ep2's step 10) against AC (one process, the same checkpoint and
+    capacity): each rank drops at the source what one process drops on that micro-batch,
+    and `moe_dropped_tokens` sums both ranks (AC's counts the whole global batch)."""
     l2 = resumed["l2"]
     assert read_tracker(l2 / "checkpoints") == 15
-    a, b = step_records(runs["l"]), step_records(l2)
+    a, b = step_records(resumed["ac"]), step_records(l2)
     assert sorted(b) == list(range(11, 16))
     for step in b:
-        for key in ("step_loss", "grad_norm", "mtp_loss", "moe_load", "moe_bias_norm"):
-            assert a[step][key] == b[step][key], (step, key)
-    ta, tb = _tensors(runs["l"], 15), _tensors(l2, 15)
+        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+        assert b[step]["moe_load"] == a[step]["moe_load"], step
+        assert b[step]["moe_dropped_tokens"] == a[step]["moe_dropped_tokens"], step
+    assert sum(b[step]["moe_dropped_tokens"] for step in b) > 0  # the capacity dropped some
+    # NumPy bounds from the recorded global loads L_e of each router (2 ranks, C = 32 per
+    # rank): sum_e max(0, L_e - 2C) <= dropped <= sum_e max(0, L_e - C); a count from
+    # one rank, or a mean over ranks, falls below the lower bound
+    cap = 1.0 * SLOTS / 2 / E  # ceil(cf * N * k / E) with N = 4 x 32 tokens per rank
+    for step in b:
+        load = np.asarray(b[step]["moe_load"], np.float64) * SLOTS  # [R, E] token-slots
+        low, high = np.maximum(load - 2 * cap, 0).sum(), np.maximum(load - cap, 0).sum()
+        assert low <= b[step]["moe_dropped_tokens"] <= high, (step, low, high)
+    ta, tb = _tensors(resumed["ac"], 15), _tensors(l2, 15)
     assert sorted(ta) == sorted(tb)
-    for name in ta:
-        np.testing.assert_array_equal(ta[name], tb[name], err_msg=name)
+    np.testing.assert_array_equal(_biases(tb), _biases(ta))
+    worst = max(float(np.abs(ta[k] - tb[k]).max()) for k in ta)
+    assert worst < 1e-4, worst
 
 
-def test_ep2_checkpoint_resumes_on_one_process(runs, resumed):
-    a, r = step_records(runs["a"]), step_records(resumed["r"])
+def test_ep2_checkpoint_resumes_on_one_process(resumed):
+    a, r = step_records(resumed["ac"]), step_records(resumed["r"])
     assert sorted(r) == list(range(16, STEPS + 1))
     for step in r:
         assert r[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
         assert r[step]["moe_load"] == a[step]["moe_load"], step
+        assert r[step]["moe_dropped_tokens"] == a[step]["moe_dropped_tokens"], step

@@ -17,7 +17,9 @@ to one expert, and the experts run as one batched matmul over the blocks;
 `MoE.dropless = "dense"` runs every expert over all N tokens and weights the results by
 a combine matrix [N, E] (zero for unchosen pairs). With `moe_capacity_factor` each
 expert takes its first C = ceil(cf * N * k / E) routed tokens (gathered), later ones are
-dropped and counted. Measured trade-off in the model README.
+dropped and counted. Measured trade-off in the model README. Split over an expert-parallel
+group (mindloom_parallel's expert_parallel), the dispatch and combine are
+`_deepseek_ep.ExpertParallelMoE`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindloom_model._deepseek_ep import ExpertParallelMoE
 from mindloom_model._llama import MLP, ModelConfig, _normal
 
 if TYPE_CHECKING:
@@ -186,9 +189,10 @@ def _block_size(slots: int, experts: int, fixed: int = 0) -> int:
     return t
 
 
-class MoE(nn.Cell):
+class MoE(ExpertParallelMoE, nn.Cell):
     """DeepSeekMoE: shared experts + k of E routed experts. x [B, S, D] -> (y [B, S, D],
-    load [E] tokens routed to each expert, dropped tokens, balance loss)."""
+    load [E] tokens routed to each expert, dropped tokens, balance loss). Split over an
+    ep group, its dispatch and combine are `_deepseek_ep.ExpertParallelMoE`'s."""
 
     def __init__(self, cfg: ModelConfig, rng, param_dtype, compute_dtype):
         super().__init__()
@@ -207,11 +211,7 @@ class MoE(nn.Cell):
         self.compute_dtype = compute_dtype
         self.scale_rows = _ScaleRows()
         self.scatter_tokens = _ScatterRows()
-        # expert parallel (set by mindloom_parallel's expert_parallel): the exchange cells
-        # and this rank's block of experts; None / whole range on one process
-        self.ep_in = None
-        self.ep_out = None
-        self.ep_start, self.ep_local = 0, self.e
+        self._init_expert_parallel()  # the exchange cells; None on one process
 
     # dropless dispatch: "blocks" sorts the routed (token, expert) slots by expert into
     # blocks of T rows, each block one expert's (k/E of the dense FLOPs plus at most a
@@ -289,28 +289,6 @@ class MoE(nn.Cell):
         like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
         return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
 
-    def _expert_parallel(self, flat, idx, w):
-        """Expert parallel, dropless: this rank holds experts [ep_start, ep_start + E_local).
-        One exchange in: every rank of the ep group gets the group's tokens with their
-        choices and weights (`ep_in`: an all-gather of [N, D + 2k] rows, its backward a
-        reduce-scatter); this rank's experts run on the slots routed to them; one exchange
-        out (`ep_out`: the partial outputs summed over the group, this rank's rows kept;
-        its backward an all-gather). Routing stays per rank, so it is one process's."""
-        n, d = flat.shape
-        k, el = self.k, self.ep_local
-        rows = ops.concat(
-            (flat.astype(ms.float32), w, ops.stop_gradient(idx.astype(ms.float32))), 1
-        )  # [N, D + 2k]
-        rows = self.ep_in(rows.expand_dims(0))[0]  # [M, D + 2k], M = ep * N
-        xg = rows[:, :d].astype(flat.dtype)
-        wg = rows[:, d : d + k]
-        ig = ops.stop_gradient(rows[:, d + k :]).astype(ms.int32)  # [M, k] global ids
-        one = ops.one_hot(ig, self.e, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-        mine = one[:, :, self.ep_start : self.ep_start + el]  # [M, k, E_local]
-        part = self._dropless_blocks(xg, mine, wg, partial=True)  # [M, D]
-        y = self.ep_out(part.astype(ms.float32).expand_dims(0))[0]  # [N, D]
-        return y.reshape(n, d).astype(flat.dtype)
-
     def construct(self, x):
         b, s, d = x.shape
         n = b * s
@@ -322,11 +300,13 @@ class MoE(nn.Cell):
         assign = one.sum(1)  # [N, E] 0/1
         combine = (one * w.expand_dims(-1)).sum(1)  # [N, E] fp32
         load = ops.stop_gradient(assign.sum(0))  # [E]
-        if (self.capacity_factor is None or not self.training) and self.dropless == "dense":
-            y = self._dropless_dense(flat, combine)
+        if self.ep_in is not None and (self.capacity_factor is None or not self.training):
+            y = self._expert_parallel(flat, idx, w)
             dropped = ops.zeros((), ms.float32)
         elif self.ep_in is not None:
-            y = self._expert_parallel(flat, idx, w)
+            y, dropped = self._ep_capacity(flat, idx, w, assign)
+        elif (self.capacity_factor is None or not self.training) and self.dropless == "dense":
+            y = self._dropless_dense(flat, combine)
             dropped = ops.zeros((), ms.float32)
         elif self.capacity_factor is None or not self.training:
             y = self._dropless_blocks(flat, one, w)

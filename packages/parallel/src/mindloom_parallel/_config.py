@@ -26,6 +26,11 @@ class ParallelDims:
     Megatron and MindSpore Transformers: it divides ``dp``, each group of ``ep`` consecutive
     data-parallel ranks splits the routed experts, and the ``dp / ep`` ranks holding the
     same experts form the expert-data-parallel group. It adds no ranks to the world.
+
+    ``dp`` left out of a section read with a world size (``from_section(section,
+    world_size)``) is derived: ``world_size / (tp * pp)``, torchtitan's ``dp_shard = -1``
+    (``derive_dp``); a ``dp`` that is given keeps its meaning, and without a world size
+    (one process) it is 1.
     """
 
     dp: int = 1
@@ -72,13 +77,19 @@ class ParallelDims:
         return cls(**d)
 
     @classmethod
-    def from_section(cls, section) -> ParallelDims:
+    def from_section(cls, section, world_size: int | None = None) -> ParallelDims:
         """The layout fields of a run config's ``parallelism`` section: a mapping or an object
         with those attributes (mindloom-train's parsed section). Keys that are not about the
-        layout (train's timeouts) are left to their owner."""
+        layout (train's timeouts) are left to their owner. With ``world_size`` (msrun's
+        worker count), a mapping without ``dp`` gets ``derive_dp``'s degree."""
         names = [f.name for f in fields(cls)]
         if isinstance(section, dict):
-            return cls.from_dict({k: section[k] for k in names if k in section})
+            d = {k: section[k] for k in names if k in section}
+            if world_size is not None and d.get("dp") is None:
+                d.pop("dp", None)
+                dims = cls.from_dict(d)
+                return replace(dims, dp=derive_dp(world_size, dims.tp, dims.pp))
+            return cls.from_dict(d)
         return cls(**{k: getattr(section, k) for k in names if hasattr(section, k)})
 
     def for_steps(self, grad_accum_steps: int) -> ParallelDims:
@@ -102,6 +113,23 @@ class ParallelDims:
         """``validate(self, ...)``: raise ParallelConfigError naming what disagrees."""
         return validate(self, model_cfg, world_size, global_batch_size, micro_batch_size,
                         seq_length)  # fmt: skip
+
+
+def derive_dp(world_size: int, tp: int = 1, pp: int = 1) -> int:
+    """The data-parallel degree of a layout that does not give one: every rank that tensor
+    and pipeline parallel leave over, ``world_size / (tp * pp)``; one line naming the
+    numbers when they do not divide."""
+    for key, v in (("tp", tp), ("pp", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ParallelConfigError(f"parallelism.{key} = {v!r}: must be an integer >= 1")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ParallelConfigError(f"world size {world_size!r}: must be an integer >= 1")
+    if world_size % (tp * pp):
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}: "
+            f"parallelism.dp is not given, so it is derived as world / (tp*pp)"
+        )
+    return world_size // (tp * pp)
 
 
 # The earlier name of the same class (README examples, external callers).

@@ -76,11 +76,6 @@ def build_model(cfg: Config, runtime, vocab_size: int, log: Callable[[str], None
             "config parallelism: family deepseek_v3 trains under plain data parallel only "
             "(tp, pp and zero_stage are not wired for MoE yet)"
         )
-    if getattr(runtime, "compiled_ep", False) and mcfg.moe_capacity_factor is not None:
-        raise ConfigError(
-            f"config parallelism: ep = {runtime.pcfg.ep} is dropless; model."
-            f"moe_capacity_factor = {mcfg.moe_capacity_factor} is not wired for it yet (null)"
-        )
     if runtime.groups is not None:
         from mindloom_parallel import ParallelConfigError
 

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("estimate-memory", help="per-rank memory of a config, and whether it fits")
     add_config_args(p)
     p.add_argument("--nproc", type=positive_int, default=None,
-                   help="ranks (default: parallelism dp*tp*pp)")  # fmt: skip
+                   help="ranks (default: parallelism dp*tp*pp; an unset dp is derived "
+                   "from it)")  # fmt: skip
     p.add_argument("--device", default=None,
                    help="cpu, ascend-910b2, ascend-910c, a100-80gb, h100-80gb, h200, ... "
                    "(default: from context.device_target)")  # fmt: skip
@@ -41,10 +42,12 @@ def add_parser(sub) -> None:
 
 
 def _cmd_train(args) -> int:
-    from mindloom_train._config import load_config
+    from mindloom_train._config import load_config, msrun_world_size
     from mindloom_train._trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    # an msrun worker derives an unset parallelism.dp from msrun's worker count, as the
+    # launcher did before starting it (one process: dp 1)
+    cfg = load_config(args.config, args.overrides, world_size=msrun_world_size())
     return train(cfg)  # the run's own error path: _errors.classify, one table
 
 
@@ -53,7 +56,8 @@ def _cmd_launch(args) -> int:
 
     from mindloom_train._config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    # parallelism.dp not given: world / (tp*pp), the same rule each worker applies
+    cfg = load_config(args.config, args.overrides, world_size=args.nproc * args.nnodes)
     lock = None
     if args.node_rank == 0:  # one live job per run directory (the other nodes share it)
         from mindloom_parallel import RunLock
@@ -171,7 +175,7 @@ def _cmd_estimate_memory(args) -> int:
     from mindloom_train._config import load_config
     from mindloom_train._memory import check_precision, estimate, format_table
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, world_size=args.nproc)
     check_precision(cfg)
     est = estimate(cfg, nproc=args.nproc, device=args.device)
     if args.json:

@@ -65,14 +65,29 @@ __all__ = [
     "dump_config",
     "from_dict",
     "load_config",
+    "msrun_world_size",
     "read_yaml",
     "show",
     "validate",
 ]
 
 
-def from_dict(data: dict[str, Any], *, check_model: bool = True) -> Config:
+def from_dict(
+    data: dict[str, Any], *, check_model: bool = True, world_size: int | None = None
+) -> Config:
+    """`world_size`: the ranks the run has (launcher: --nproc x --nnodes; a worker: msrun's
+    count); a `parallelism` section without `dp` then gets world / (tp*pp)
+    (mindloom_parallel's rule). None (one process): `dp` keeps its default, 1."""
     cfg = _build(Config, data, "")
+    section = data.get("parallelism") if isinstance(data, dict) else None
+    if world_size is not None and "dp" not in (section or {}):
+        from mindloom_parallel import ParallelConfigError, ParallelDims
+
+        raw = dict(section or {})
+        try:
+            cfg.parallelism.dp = ParallelDims.from_section(raw, world_size).dp
+        except ParallelConfigError as exc:
+            raise ConfigError(f"config parallelism: {exc}") from None
     return validate(cfg, check_model=check_model)
 
 
@@ -81,11 +96,23 @@ def load_config(
     overrides: list[str] | None = None,
     *,
     check_model: bool = True,
+    world_size: int | None = None,
 ) -> Config:
-    """Read, override (`section.key=value`) and validate a config; ConfigError if bad."""
+    """Read, override (`section.key=value`) and validate a config; ConfigError if bad.
+    `world_size`: see `from_dict` (how `parallelism.dp` is derived when not given)."""
     data = read_yaml(path) if path is not None else {}
     data = apply_overrides(data, list(overrides or []))
-    return from_dict(data, check_model=check_model)
+    return from_dict(data, check_model=check_model, world_size=world_size)
+
+
+def msrun_world_size() -> int | None:
+    """The worker count msrun exports to each worker (MS_WORKER_NUM, or RANK_SIZE); None
+    for a process started on its own."""
+    for key in ("MS_WORKER_NUM", "RANK_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def dump_config(cfg: Config) -> str:

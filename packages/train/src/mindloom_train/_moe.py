@@ -2,8 +2,8 @@
 
 The loss net returns (loss, stats) where stats is one fp32 vector
 
-    [main CE, MTP loss (mean over depths), balance loss (unweighted), dropped tokens,
-     loads [R, E] flattened]
+    [main CE, MTP loss (mean over depths), balance loss (unweighted), dropped token slots
+     (a capacity factor's), loads [R, E] flattened]
 
 R = the MoE routers in `moe_routers` order (trunk MoE layers, then the MTP blocks'), E
 routed experts. The step sums stats over micro-batches (a buffer the accumulation steps
@@ -92,14 +92,15 @@ class MoEStepParts(nn.Cell):
         return ops.assign_add(self.acc, stats)
 
     def finish(self, stats, n_micro):
-        """This micro-batch's stats + the buffered ones, summed over dp; the scalars become
-        means over micro-batches and ranks, the loads stay token counts."""
+        """This micro-batch's stats + the buffered ones, summed over dp; the losses become
+        means over micro-batches and ranks, the dropped slots and the loads stay counts
+        (the whole global batch's)."""
         stats = stats + self.acc
         if self.local_loads is not None:
             stats = ops.depend(stats, ops.assign(self.local_loads, stats[N_SCALARS:]))
         if self.reduce is not None:
             stats = self.reduce(stats)
-        mean = ops.concat((stats[:N_SCALARS] / (n_micro * self.dp_size), stats[N_SCALARS:]))
+        mean = ops.concat((stats[:S_DROP] / (n_micro * self.dp_size), stats[S_DROP:]))
         return mean
 
     def update(self, stats, ok, loss):
@@ -132,7 +133,7 @@ class MoEWindow:
 
     def reset(self) -> None:
         self.loads = np.zeros(self.shape, np.float64)
-        self.main = self.mtp = self.bal = 0.0
+        self.main = self.mtp = self.bal = self.dropped = 0.0
         self.n = 0
 
     def add(self, stats: np.ndarray) -> None:
@@ -140,6 +141,7 @@ class MoEWindow:
         self.main += s[S_MAIN]
         self.mtp += s[S_MTP]
         self.bal += s[S_BAL]
+        self.dropped += s[S_DROP]
         self.loads += s[N_SCALARS:].reshape(self.shape)
         self.n += 1
 
@@ -159,6 +161,9 @@ class MoEWindow:
             "moe_imbalance_overall": float(total.max() / total.mean()),
             "moe_dead_experts": int((self.loads == 0).sum()),
             "moe_bias_norm": float(np.sqrt((biases.astype(np.float64) ** 2).sum())),
+            # routed (token, expert) slots over a capacity, per step: every router,
+            # micro-batch and rank (0 when dropless)
+            "moe_dropped_tokens": self.dropped / n,
         }
         if self.balance_on:
             rec["balance_loss"] = self.bal / n
