@@ -42,8 +42,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
 def _prepare(root: Path) -> dict:
-    from mindloom_train import _data
-    from mindloom_train._config import from_dict
+    from mindloom_train import from_dict, prepare_dataset, prepare_tokenizer
 
     cfg = from_dict({
         "tokenizer": {"train_input": "bundled", "model_type": "char", "vocab_size": None,
@@ -52,8 +51,8 @@ def _prepare(root: Path) -> dict:
                           "char_range": [0.0, 0.9], "seq_length": 32},
         "run_dir": str(root),
     }, check_model=False)  # fmt: skip
-    _data.prepare_tokenizer(cfg, lambda m: None)
-    train = _data.prepare_dataset(cfg, cfg.train_dataset, "train", root / "tok", lambda m: None)
+    prepare_tokenizer(cfg, lambda m: None)
+    train = prepare_dataset(cfg, cfg.train_dataset, "train", root / "tok", lambda m: None)
     return {"tokenizer": str(root / "tok"), "train": str(train[0])}
 
 
@@ -80,7 +79,7 @@ def _arm(prep: dict, root: Path, args, ep: int, rep: int) -> dict:
     path.write_text(yaml.safe_dump(_config(prep, run, args, ep)))
     env = {**os.environ, "GLOG_v": "3"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mindloom_train._cli", "launch", "--nproc", "2", str(path),
+        [sys.executable, "-m", "mindloom_train", "launch", "--nproc", "2", str(path),
          "--timeout", "1200"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
