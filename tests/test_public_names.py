@@ -84,3 +84,14 @@ def test_every_public_name_resolves(module):
     mod = importlib.import_module(module)
     missing = [n for n in mod.__all__ if not hasattr(mod, n)]
     assert not missing, f"{module}.__all__ names what it does not have: {missing}"
+
+
+@pytest.mark.parametrize("package", ["train", "parallel"])
+def test_the_architecture_page_names_every_module(package):
+    """docs/architecture.md has one line per module of train and parallel (issue 21): a
+    module added without its line fails here."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    src = ROOT / "packages" / package / "src" / OWN[package]
+    missing = [p.name for p in sorted(src.glob("_*.py"))
+               if p.name != "__about__.py" and f"`{p.name}`" not in page]  # fmt: skip
+    assert not missing, f"docs/architecture.md does not name {package}'s {missing}"
