@@ -2,7 +2,7 @@
 
 One reference run on one process, one tp=2 launch with sequence parallelism (the compiled
 step, `_tp_step`, since issue 16: context.mode graph is the default), one pp=2
-launch (2 micro-batches) and one dp=2 ZeRO-1 launch (the compiled step, `_zero_step`), all with tied embeddings (so pp2 sums
+launch (2 micro-batches, compiled stage graphs: `_pp_step`) and one dp=2 ZeRO-1 launch (the compiled step, `_zero_step`), all with tied embeddings (so pp2 sums
 the embedding's gradient over its first and last stage); every assertion below reuses
 them: losses, final weights and AdamW moments against the one-process run, comm fields in
 metrics.jsonl, checkpoint metadata, and resume of each layout's checkpoint on one process.
@@ -126,6 +126,9 @@ def test_launch_layout_losses_equal_one_process(runs, layout):
         assert got[step]["consumed_samples"] == ref[step]["consumed_samples"]
     start = events(runs[layout], "start")[0]
     assert start["world_size"] == 2
+    if layout == "pp2":  # graph mode: compiled stage graphs (_pp_step), not the engine
+        for log in (runs["pp2"] / "msrun_logs").glob("worker_*.log"):
+            assert "compiled pipeline parallel" in log.read_text(errors="replace")
     end = events(runs[layout], "end")[-1]
     assert end["status"] == "completed" and end["step"] == STEPS
     # the held-out evaluation at the end runs through the split model too (pp2 evaluates
