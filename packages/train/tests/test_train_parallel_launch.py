@@ -282,6 +282,31 @@ def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
+def test_pipeline_layouts_choose_the_compiled_stages_in_graph_mode_only():
+    """The one choice of step for pp (issue 16): pp > 1 without tp in graph mode runs the
+    compiled stage graphs (_pp_step), with any dp / ZeRO-1; pynative and pp with tp keep
+    the engine; no other compiled step claims a pipeline layout."""
+    from mindloom_parallel import ParallelDims
+    from mindloom_train._pp_step import compiled_pp
+    from mindloom_train._tp_step import compiled_tp
+    from mindloom_train._zero_step import compiled_zero
+
+    cases = [
+        (dict(pp=2, micro_batch_num=2), "graph", True),
+        (dict(dp=2, pp=2, micro_batch_num=2), "graph", True),
+        (dict(dp=2, pp=2, zero_stage=1), "graph", True),
+        (dict(pp=2, micro_batch_num=2), "pynative", False),
+        (dict(tp=2, pp=2, micro_batch_num=2), "graph", False),
+        (dict(tp=2), "graph", False),
+        (dict(dp=2, zero_stage=1), "graph", False),
+    ]
+    for kw, mode, want in cases:
+        dims = ParallelDims(**kw)
+        assert compiled_pp(dims, mode) is want, (kw, mode)
+        if want:
+            assert not (compiled_tp(dims, mode) or compiled_zero(dims, mode)), kw
+
+
 def test_launch_refuses_a_layout_the_model_does_not_fit(prepared, tmp_path, capsys):
     """tp=2 with the 65-id vocabulary: refused in one line before any worker starts."""
     from mindloom_train._cli import main
