@@ -8,13 +8,13 @@ checkpoint code take it unchanged) whose per-micro-batch work is compiled:
 - forward graph: the stage (``pipeline_stage``'s cut of the model; on the last stage
   with its loss sum over the global token count), called for 1F1B's ``fwd`` on every stage
   but the last and for evaluation;
-- backward graph: ``GradOperation(sens_param=True)`` of the same stage, fed the incoming
-  activation gradient (the last stage: 1.0 on its loss), recomputing the stage's forward
-  (only the stage input is kept between the two, as the engine does); it adds the weight
-  gradients into fp32 accumulation buffers inside the graph and returns the input
-  gradient (the last stage also its loss: 1F1B runs its fwd and bwd back to back, so
-  the last stage's forward is never run twice);
-- a finish graph that reads the accumulated gradients and zeroes the buffers.
+- backward graph: ``ms.vjp`` of the same stage (one forward, kept for its backward), fed
+  the incoming activation gradient (the last stage: 1.0 on its loss), recomputing the
+  stage's forward
+  (only the stage input is kept between the two, as the engine does); the running fp32
+  sum of the weight gradients goes in and out (a pure function), and it returns the
+  input gradient (the last stage also its loss: 1F1B runs its fwd and bwd back to back,
+  so the last stage's forward is never run twice).
 
 Activations and gradients cross stages between graphs through ``_comm.exchange``
 (native send/recv where the backend has them; on the CPU an all-reduce of the pair's
@@ -72,53 +72,36 @@ class _Forward(nn.Cell):
 
 
 class _Backward(nn.Cell):
-    """Recomputed forward and backward of one micro-batch; weight gradients added to
-    ``acc``; -> (the stage's output: the loss on the last stage, input gradient)."""
+    """Recomputed forward and backward of one micro-batch -> (the stage's output: the loss
+    on the last stage, input gradient, ``acc`` + this micro-batch's weight gradients in
+    fp32). A pure function: the running sum goes in and out (MindSpore's CPU backend ran a
+    graph that adds into Parameter buffers in place ~10x slower per call from PyNative)."""
 
-    def __init__(self, stage, weights, acc, first: bool):
+    def __init__(self, stage, weights, first: bool):
         super().__init__(auto_prefix=False)
         self.stage = stage
         self.weights = weights
-        self.acc = acc
-        self.first = first
-        # the first stage's input is token ids: no input gradient to send
-        self.grad = ops.GradOperation(get_all=not first, get_by_list=True, sens_param=True)
+        self.first = first  # its input is token ids: no input gradient to send
 
     @ms.jit
-    def construct(self, x, pos, seg, labels, mask, denom, dy, dkey=None):
+    def construct(self, x, pos, seg, labels, mask, denom, dy, acc=None, dkey=None):
+        # one forward: ms.vjp keeps it for the backward (GradOperation next to a call of
+        # the stage ran the forward twice)
         if dkey is None:  # (a None input has no gradient slot)
-            out = self.stage(x, pos, seg, labels, mask, denom)
-            grads = self.grad(self.stage, self.weights)(x, pos, seg, labels, mask, denom, dy)
+            out, vjp_fn = ms.vjp(self.stage, x, pos, seg, labels, mask, denom,
+                                 weights=self.weights)  # fmt: skip
         else:
-            out = self.stage(x, pos, seg, labels, mask, denom, dkey)
-            grads = self.grad(self.stage, self.weights)(x, pos, seg, labels, mask, denom, dkey, dy)
+            out, vjp_fn = ms.vjp(self.stage, x, pos, seg, labels, mask, denom, dkey,
+                                 weights=self.weights)  # fmt: skip
+        in_grads, wgrads = vjp_fn(dy)
+        dx = in_grads[0]
         if self.first:
             dx = ops.zeros((), ms.float32)
-            wgrads = grads
-        else:
-            dx = grads[0][0]
-            wgrads = grads[1]
-        for i in range(len(self.acc)):
-            dx = ops.depend(dx, ops.assign_add(self.acc[i], wgrads[i].astype(ms.float32)))
-        return out, dx
-
-
-class _Finish(nn.Cell):
-    """The accumulated gradients (copies), then the buffers zeroed for the next step."""
-
-    def __init__(self, acc):
-        super().__init__(auto_prefix=False)
-        self.acc = acc
-
-    @ms.jit
-    def construct(self):
-        out = ()
-        for i in range(len(self.acc)):
-            out = out + (self.acc[i] * 1.0,)
-        for i in range(len(self.acc)):
-            zero = ops.depend(ops.zeros_like(self.acc[i]), out)
-            out = ops.depend(out, ops.assign(self.acc[i], zero))
-        return out
+        new = ()
+        for i in range(len(wgrads)):
+            g = wgrads[i].astype(ms.float32)
+            new = new + ((g if acc is None else acc[i] + g),)
+        return out, dx, new
 
 
 class PipelineGraph(ParallelEngine):
@@ -136,23 +119,19 @@ class PipelineGraph(ParallelEngine):
         return LossSumGraph(group, start)
 
     def _build_graphs(self) -> None:
-        from mindspore import Parameter
-
-        acc = [Parameter(ops.zeros(p.shape, ms.float32), name="pp_acc." + n, requires_grad=False)
-               for n, p in zip(self.param_names, self.params)]  # fmt: skip
-        self._acc = ms.ParameterTuple(acc)
         weights = ms.ParameterTuple(self.params)
         self._fwd_graph = _Forward(self.stage)
-        self._bwd_graph = _Backward(self.stage, weights, self._acc, self.groups.is_first_stage)
-        self._finish = _Finish(self._acc)
+        self._bwd_graph = _Backward(self.stage, weights, self.groups.is_first_stage)
 
     def _forward_only(self, x, mb, denom):
         return self._fwd_graph(x, mb["position_ids"], mb["segment_ids"], mb["labels"],
                                mb["loss_mask"], denom, mb.get("dropout_key"))  # fmt: skip
 
-    def _backward(self, x, mb, denom, dy):
+    def _backward(self, x, mb, denom, dy, acc):
+        if acc is not None:  # a tuple input is a graph constant unless mutable (recompiles)
+            acc = ms.mutable(tuple(acc))
         return self._bwd_graph(x, mb["position_ids"], mb["segment_ids"], mb["labels"],
-                               mb["loss_mask"], denom, dy, mb.get("dropout_key"))  # fmt: skip
+                               mb["loss_mask"], denom, dy, acc, mb.get("dropout_key"))  # fmt: skip
 
     def _no_pipeline(self, micro, denom):  # pragma: no cover - pp == 1 is not this class's
         raise NotImplementedError("PipelineGraph runs pp > 1 layouts; use ParallelEngine")
@@ -170,6 +149,7 @@ class PipelineGraph(ParallelEngine):
         input_grads: list = []  # input gradients still to be sent, in order
         total = ops.zeros((), ms.float32)
         one = ops.ones((), ms.float32)
+        acc = None  # the weight gradients summed over the micro-batches so far
         for act in one_f_one_b(g.pp_rank, self.pcfg.pp, len(micro)):
             kind = act[0]
             if kind == "fwd":
@@ -181,7 +161,7 @@ class PipelineGraph(ParallelEngine):
             elif kind == "bwd":
                 i = act[1]
                 dy = one if last else pending_grad.pop(0)
-                out, dx = self._backward(inputs.pop(i), micro[i], denom, dy)
+                out, dx, acc = self._backward(inputs.pop(i), micro[i], denom, dy, acc)
                 if last:
                     total = total + out
                 if not first:
@@ -198,7 +178,7 @@ class PipelineGraph(ParallelEngine):
                 pending_grad.append(exchange(None, shape, dtype, g.pp_next))
             elif kind == "send_bwd":
                 exchange(input_grads.pop(0), None, dtype, g.pp_prev)
-        return total, list(self._finish())
+        return total, list(acc)
 
 
 class _OwnedAdamW(nn.Cell):
