@@ -71,6 +71,17 @@ class _Forward(nn.Cell):
         return self.stage(x, pos, seg, labels, mask, denom, dkey)
 
 
+class _Unpacked(nn.Cell):
+    """The stage without segment ids (no packed documents): ``ms.vjp`` takes only tensors."""
+
+    def __init__(self, stage):
+        super().__init__(auto_prefix=False)
+        self.stage = stage
+
+    def construct(self, x, pos, labels, mask, denom, dkey=None):
+        return self.stage(x, pos, None, labels, mask, denom, dkey)
+
+
 class _Backward(nn.Cell):
     """Recomputed forward and backward of one micro-batch -> (the stage's output: the loss
     on the last stage, input gradient, ``acc`` + this micro-batch's weight gradients in
@@ -80,6 +91,7 @@ class _Backward(nn.Cell):
     def __init__(self, stage, weights, first: bool):
         super().__init__(auto_prefix=False)
         self.stage = stage
+        self.unpacked = _Unpacked(stage)
         self.weights = weights
         self.first = first  # its input is token ids: no input gradient to send
 
@@ -87,7 +99,13 @@ class _Backward(nn.Cell):
     def construct(self, x, pos, seg, labels, mask, denom, dy, acc=None, dkey=None):
         # one forward: ms.vjp keeps it for the backward (GradOperation next to a call of
         # the stage ran the forward twice)
-        if dkey is None:  # (a None input has no gradient slot)
+        if seg is None and dkey is None:  # (a None input has no gradient slot)
+            out, vjp_fn = ms.vjp(self.unpacked, x, pos, labels, mask, denom,
+                                 weights=self.weights)  # fmt: skip
+        elif seg is None:
+            out, vjp_fn = ms.vjp(self.unpacked, x, pos, labels, mask, denom, dkey,
+                                 weights=self.weights)  # fmt: skip
+        elif dkey is None:
             out, vjp_fn = ms.vjp(self.stage, x, pos, seg, labels, mask, denom,
                                  weights=self.weights)  # fmt: skip
         else:
