@@ -23,6 +23,14 @@ compiled (the peer) and ZeRO-1 through the PyNative engine (`ZeroAdamW`):
 
     ./dev bench benchmarks/parallel.py --preset debug --seq 32 --zero
 
+With `--pp`, the same workers time pipeline parallel (pp2, `--pp-micro` micro-batches of
+the whole batch, 1F1B) with each stage's forward and backward compiled
+(`mindloom_parallel.PipelineGraph`, the `context.mode: graph` path) and through the
+PyNative `ParallelEngine` (`context.mode: pynative`), both with an SGD update, next to the
+compiled dp2 and one-process steps:
+
+    ./dev bench benchmarks/parallel.py --preset debug --pp
+
 What the CPU backend can show: that the DP algorithm runs and what its all-reduce costs
 relative to compute when two workers share 2 cores. What it cannot show: scaling, since
 one process already uses both cores; that needs one device per worker.
@@ -266,6 +274,31 @@ def tp_arms(args, groups_dp) -> dict:
     return {"tp2_compiled_s": statistics.median(compiled), "tp2_engine_s": statistics.median(eng)}
 
 
+def pp_arms(args) -> dict:
+    """ms/step of pp2 with compiled stage graphs (PipelineGraph) and through the PyNative
+    engine, same workers, same batch; each with an in-place SGD update."""
+    import mindspore as ms
+    from mindloom_model import get_preset
+    from mindloom_model._llama import Llama
+    from mindloom_parallel import ParallelConfig, ParallelEngine, PipelineGraph, init_parallel
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # both: the schedule is Python
+    cfg = get_preset(args.preset)
+    pcfg = ParallelConfig(pp=2, micro_batch_num=args.pp_micro)
+    groups = init_parallel(pcfg, cfg)
+    tokens, labels = _batch(cfg, args.global_batch, args.seq)
+    mbs = args.global_batch // args.pp_micro
+    out = {}
+    for key, cls, steps in (("pp2_compiled", PipelineGraph, args.steps),
+                            ("pp2_engine", ParallelEngine, args.engine_steps)):  # fmt: skip
+        engine = cls(Llama(cfg), pcfg, groups, micro_batch_size=mbs)
+        out[key + "_s"] = statistics.median(
+            _time_engine(engine, tokens, labels, steps) for _ in range(args.repeats)
+        )
+        out[key + "_share"] = engine.metrics["comm_share"]
+    return out
+
+
 def _time_steps(step, tokens, labels, steps):
     step(tokens, labels).asnumpy()  # compile + warm up
     step(tokens, labels).asnumpy()
@@ -324,6 +357,8 @@ def worker(args) -> int:
         res.update(zero_arms(args, groups))
     if args.tp:
         res.update(tp_arms(args, groups))
+    if args.pp:  # last: PyNative from here on
+        res.update(pp_arms(args))
     Path(args.result_dir, f"rank{groups.rank}.json").write_text(json.dumps(res))
     return 0
 
@@ -342,6 +377,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="also time dp2 + ZeRO-1 compiled and engine, and dp2 AdamW compiled",
     )
+    ap.add_argument("--pp", action="store_true", help="also time pp2 compiled and engine")
+    ap.add_argument("--pp-micro", type=int, default=4, help="micro-batches of the pp2 arms")
     ap.add_argument("--engine-steps", type=int, default=3, help="steps of the engine arm")
     ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
@@ -356,7 +393,7 @@ def main(argv=None) -> int:
 
     from mindloom_parallel import launch
 
-    single, dp2, shares, tp_rows, zero_rows = [], [], [], [], []
+    single, dp2, shares, tp_rows, zero_rows, pp_rows = [], [], [], [], [], []
     for _ in range(args.repeats):
         single.append(_subprocess_one(args))
         with tempfile.TemporaryDirectory() as d:
@@ -381,6 +418,11 @@ def main(argv=None) -> int:
         if args.tp:  # the slower rank's step, as for dp2
             tp_rows.append({k: max(x[k] for x in ranks) for k in ("step_s", "tp2_compiled_s",
                                                                   "tp2_engine_s")})  # fmt: skip
+        if args.pp:  # the slower rank's step; the communication share of rank 0
+            pp_rows.append({k: max(x[k] for x in ranks) for k in ("step_s", "pp2_compiled_s",
+                                                                  "pp2_engine_s")})  # fmt: skip
+            pp_rows[-1].update({k: ranks[0][k] for k in ("pp2_compiled_share",
+                                                         "pp2_engine_share")})  # fmt: skip
     s1, s2 = statistics.median(single), statistics.median(dp2)
     print(
         f"model {args.preset}, global batch {args.global_batch} x {args.seq} tokens, GRAPH_MODE, CPU"
@@ -417,15 +459,31 @@ def main(argv=None) -> int:
             ms_ = med[key] * 1e3
             print(f"{label:<18}: {ms_:9.1f} ms/step   ({ms_ / dp_ms:.2f}x dp2 compiled)")
         print(f"ratio tp2{sp} engine / compiled: {med['tp2_engine_s'] / med['tp2_compiled_s']:.1f}")
+    if pp_rows:
+        _print_pp(args, pp_rows, s1)
     return 0
+
+
+def _print_pp(args, rows, one_tokens_per_s) -> None:
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    one_ms = args.global_batch * args.seq / one_tokens_per_s * 1e3
+    dp_ms = med["step_s"] * 1e3
+    print(f"one process       : {one_ms:9.1f} ms/step")
+    print(f"dp2 compiled      : {dp_ms:9.1f} ms/step")
+    for key, label in (("pp2_compiled", "pp2 compiled"), ("pp2_engine", "pp2 engine")):
+        ms_ = med[key + "_s"] * 1e3
+        print(f"{label:<18}: {ms_:9.1f} ms/step   ({ms_ / dp_ms:.2f}x dp2 compiled, "
+              f"{ms_ / one_ms:.2f}x one process; communication share "
+              f"{med[key + '_share']:.1%}; {args.pp_micro} micro-batches)")  # fmt: skip
+    print(f"ratio pp2 engine / compiled: {med['pp2_engine_s'] / med['pp2_compiled_s']:.1f}")
 
 
 def _fwd(args):
     return [
         "--preset", args.preset, "--global-batch", str(args.global_batch),
         "--seq", str(args.seq), "--steps", str(args.steps), "--repeats", "2",
-        "--engine-steps", str(args.engine_steps),
-    ] + (["--tp"] if args.tp else []) + (["--tp-sp"] if args.tp_sp else []) + (
+        "--engine-steps", str(args.engine_steps), "--pp-micro", str(args.pp_micro),
+    ] + (["--tp"] if args.tp else []) + (["--pp"] if args.pp else []) + (["--tp-sp"] if args.tp_sp else []) + (
         ["--zero"] if args.zero else [])  # fmt: skip
 
 

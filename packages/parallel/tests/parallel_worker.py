@@ -44,6 +44,10 @@ LAYOUTS = {
     "tp2_sp_compiled": (dict(tp=2, sequence_parallel=True), "sgd", {}),
     "pp2": (dict(pp=2, micro_batch_num=4), "sgd", {}),
     "pp2_tied": (dict(pp=2, micro_batch_num=2), "sgd", {"tie_embeddings": True}),
+    # the same pipelines with each stage's forward and backward compiled (PipelineGraph):
+    # the 1F1B schedule and the stage-to-stage exchanges in Python between the graphs
+    "pp2_compiled": (dict(pp=2, micro_batch_num=4), "sgd", {}),
+    "pp2_tied_compiled": (dict(pp=2, micro_batch_num=2), "sgd", {"tie_embeddings": True}),
     # ZeRO-1 as one compiled step: GradReducer, owned-shard fused AdamW, owner share
     "dp2_zero1_compiled": (dict(dp=2, zero_stage=1), "adamw", {}),
     "dp2_tp2": (dict(dp=2, tp=2), "sgd", {}),
@@ -52,6 +56,13 @@ LAYOUTS = {
     "dp2_tp2_sp_compiled": (dict(dp=2, tp=2, sequence_parallel=True), "sgd", {}),
     "dp2_pp2": (dict(dp=2, pp=2, micro_batch_num=2), "sgd", {}),
     "tp2_pp2_sp": (dict(tp=2, pp=2, micro_batch_num=2, sequence_parallel=True), "sgd", {}),
+    # 4 workers: compiled stage graphs with the dp buckets / the TP region cells inside
+    "dp2_pp2_compiled": (dict(dp=2, pp=2, micro_batch_num=2), "sgd", {}),
+    "tp2_pp2_sp_compiled": (
+        dict(tp=2, pp=2, micro_batch_num=2, sequence_parallel=True),
+        "sgd",
+        {},
+    ),
 }
 
 
@@ -518,7 +529,13 @@ RUNNERS = {"dp2_compiled": run_compiled_dp, "dp2_zero1_compiled": run_compiled_z
 def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     from mindloom_model import get_preset
     from mindloom_model._llama import Llama
-    from mindloom_parallel import ParallelConfig, ParallelEngine, dp_slice, init_parallel
+    from mindloom_parallel import (
+        ParallelConfig,
+        ParallelEngine,
+        PipelineGraph,
+        dp_slice,
+        init_parallel,
+    )
 
     kw, kind, overrides = LAYOUTS[name]
     cfg = get_preset("debug", **overrides)
@@ -527,7 +544,8 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     mbs = GBS // (pcfg.dp * pcfg.micro_batch_num)
     # built from another seed, then loaded from the full seed-0 weights: the path a
     # checkpoint from any layout takes into this one
-    engine = ParallelEngine(Llama(cfg, seed=99), pcfg, groups, micro_batch_size=mbs)
+    cls = PipelineGraph if name.endswith("_compiled") else ParallelEngine
+    engine = cls(Llama(cfg, seed=99), pcfg, groups, micro_batch_size=mbs)
     engine.load_state(Llama_state(cfg))
     t0 = time.perf_counter()
     opt = optimizer(engine.params, engine.param_names, kind, groups, pcfg.zero_stage)

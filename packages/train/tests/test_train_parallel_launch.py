@@ -2,7 +2,7 @@
 
 One reference run on one process, one tp=2 launch with sequence parallelism (the compiled
 step, `_tp_step`, since issue 16: context.mode graph is the default), one pp=2
-launch (2 micro-batches) and one dp=2 ZeRO-1 launch (the compiled step, `_zero_step`), all with tied embeddings (so pp2 sums
+launch (2 micro-batches, compiled stage graphs: `_pp_step`) and one dp=2 ZeRO-1 launch (the compiled step, `_zero_step`), all with tied embeddings (so pp2 sums
 the embedding's gradient over its first and last stage); every assertion below reuses
 them: losses, final weights and AdamW moments against the one-process run, comm fields in
 metrics.jsonl, checkpoint metadata, and resume of each layout's checkpoint on one process.
@@ -126,6 +126,9 @@ def test_launch_layout_losses_equal_one_process(runs, layout):
         assert got[step]["consumed_samples"] == ref[step]["consumed_samples"]
     start = events(runs[layout], "start")[0]
     assert start["world_size"] == 2
+    if layout == "pp2":  # graph mode: compiled stage graphs (_pp_step), not the engine
+        for log in (runs["pp2"] / "msrun_logs").glob("worker_*.log"):
+            assert "compiled pipeline parallel" in log.read_text(errors="replace")
     end = events(runs[layout], "end")[-1]
     assert end["status"] == "completed" and end["step"] == STEPS
     # the held-out evaluation at the end runs through the split model too (pp2 evaluates
@@ -277,6 +280,31 @@ def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
     for name in a:
         rtol, atol = next((v for k, v in tol.items() if name.startswith(k)), (1e-4, 2e-5))
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+def test_pipeline_layouts_choose_the_compiled_stages_in_graph_mode_only():
+    """The one choice of step for pp (issue 16): pp > 1 without tp in graph mode runs the
+    compiled stage graphs (_pp_step), with any dp / ZeRO-1; pynative and pp with tp keep
+    the engine; no other compiled step claims a pipeline layout."""
+    from mindloom_parallel import ParallelDims
+    from mindloom_train._pp_step import compiled_pp
+    from mindloom_train._tp_step import compiled_tp
+    from mindloom_train._zero_step import compiled_zero
+
+    cases = [
+        (dict(pp=2, micro_batch_num=2), "graph", True),
+        (dict(dp=2, pp=2, micro_batch_num=2), "graph", True),
+        (dict(dp=2, pp=2, zero_stage=1), "graph", True),
+        (dict(pp=2, micro_batch_num=2), "pynative", False),
+        (dict(tp=2, pp=2, micro_batch_num=2), "graph", False),
+        (dict(tp=2), "graph", False),
+        (dict(dp=2, zero_stage=1), "graph", False),
+    ]
+    for kw, mode, want in cases:
+        dims = ParallelDims(**kw)
+        assert compiled_pp(dims, mode) is want, (kw, mode)
+        if want:
+            assert not (compiled_tp(dims, mode) or compiled_zero(dims, mode)), kw
 
 
 def test_launch_refuses_a_layout_the_model_does_not_fit(prepared, tmp_path, capsys):

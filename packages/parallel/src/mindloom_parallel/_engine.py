@@ -61,14 +61,14 @@ class ParallelEngine:
         groups = groups.with_recorder(self._recorder)
         self.pcfg, self.groups = pcfg, groups
         self.micro_batch_size = micro_batch_size
-        self.model = parallelize_llama(model, pcfg, groups)
+        self.model = self._split(model, pcfg, groups)
         cfg = model.config
         self.model_config = cfg
         self.tp_group = groups.tp
         self.sp = bool(pcfg.sequence_parallel) and groups.tp.size > 1
         first, last = groups.is_first_stage, groups.is_last_stage
         self.layer_ids = stage_layers(cfg.num_layers, pcfg.pp, groups.pp_rank)
-        self.loss_sum = VocabParallelLossSum(groups.tp, vocab_start(cfg, groups.tp))
+        self.loss_sum = self._loss_cell(groups.tp, vocab_start(cfg, groups.tp))
         pipeline_stage(model, self.layer_ids, first, last)
         self.stage = _Stage(model, last, self.loss_sum)
         tied = bool(cfg.tie_embeddings)
@@ -99,6 +99,18 @@ class ParallelEngine:
         ]
         self.reducer = GradReducer(self.params, groups.dp, pcfg.bucket_size_mb)
         self.metrics: dict = {}
+        self._build_graphs()
+
+    # hooks: the split, the loss and compiled graphs of a subclass (_pp_graph.PipelineGraph)
+
+    def _split(self, model, pcfg, groups):
+        return parallelize_llama(model, pcfg, groups)
+
+    def _loss_cell(self, group, start: int):
+        return VocabParallelLossSum(group, start)
+
+    def _build_graphs(self) -> None:
+        pass
 
     # ------------------------------------------------------------------ batches
 

@@ -371,6 +371,10 @@ class CompiledRunner:
 
 def make_runner(built, cfg: Config, runtime, log: Callable[[str], None]) -> StepRunner:
     """The one place the step path is chosen."""
+    if getattr(runtime, "compiled_pp", False):
+        from mindloom_train._pp_step import PPRunner
+
+        return PPRunner(built, cfg, runtime, log)
     if runtime.use_engine:
         return EngineRunner(built, cfg, runtime, log)
     return CompiledRunner(built, cfg, runtime, log)

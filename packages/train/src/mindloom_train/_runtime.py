@@ -28,6 +28,8 @@ class Runtime:
         self.compiled_tp = False  # tp > 1 as a compiled step (_tp_step), not the engine
         self.compiled_zero = False  # dp > 1 with ZeRO-1 as a compiled step (_zero_step)
         self.compiled_ep = False  # ep > 1 (DeepSeek-V3) in the compiled step (_ep_step)
+        # pp > 1: compiled stage graphs under the engine runner's schedule (_pp_step)
+        self.compiled_pp = False
         self.stop_signal: str | None = None  # the first SIGTERM / SIGINT received
         self._old_handlers: dict = {}
 
@@ -52,13 +54,15 @@ class Runtime:
 
     def init_dist(self) -> None:
         """Under msrun: communicator, this rank's coordinates and groups. Plain data parallel
-        and (graph mode) tensor parallel keep the compiled step; pp / ZeRO-1, and tp in
-        pynative mode, go through ParallelEngine (PyNative)."""
+        and (graph mode) tensor parallel and ZeRO-1 keep the compiled step; pp (graph mode)
+        runs compiled stage graphs under the engine runner's Python schedule (_pp_step);
+        in pynative mode tp / pp / ZeRO-1 go through ParallelEngine (PyNative)."""
         if not any(k in os.environ for k in ("MS_WORKER_NUM", "MS_ROLE", "RANK_SIZE")):
             return
         from mindloom_parallel import ParallelConfigError, ParallelDims, init_parallel
 
         from mindloom_train._ep_step import compiled_ep
+        from mindloom_train._pp_step import compiled_pp
         from mindloom_train._tp_step import compiled_tp
         from mindloom_train._zero_step import compiled_zero
 
@@ -66,6 +70,7 @@ class Runtime:
         self.compiled_tp = compiled_tp(dims, self.cfg.context.mode)
         self.compiled_zero = compiled_zero(dims, self.cfg.context.mode)
         self.compiled_ep = compiled_ep(dims)
+        self.compiled_pp = compiled_pp(dims, self.cfg.context.mode)
         self.use_engine = dims.needs_engine and not (self.compiled_tp or self.compiled_zero)
         pcfg = dims.for_steps(self.cfg.grad_accum_steps) if self.use_engine else dims
         try:
@@ -75,7 +80,8 @@ class Runtime:
         if self.use_engine:
             import mindspore as ms
 
-            # the engine's pipeline schedule and TP region ops are Python-level
+            # the engine's pipeline schedule and TP region ops are Python-level (compiled
+            # pp: the stage graphs are ms.jit, compiled from PyNative)
             ms.set_context(mode=ms.PYNATIVE_MODE)
         self.groups = groups
         self.pcfg = pcfg

@@ -1,0 +1,65 @@
+"""Pipeline parallel as compiled stage graphs (`mindloom_parallel.PipelineGraph`).
+
+Under a layout with pp > 1 in `context.mode: graph` the runner is the engine runner's
+(`EngineRunner`: the host-side guards, clip and ZeRO-aware AdamW of `_parallel.EngineStep`,
+its checkpoint and load paths), with `ParallelEngine` replaced by `PipelineGraph`: each
+stage's forward and backward per micro-batch are `ms.jit` graphs, gradients accumulate
+inside them, and the 1F1B schedule with its stage-to-stage exchanges runs in Python
+between them. The process stays in PyNative mode (the schedule, the exchanges and the
+host update are Python); the graphs compile on their first call.
+
+`context.mode: pynative` keeps the fully PyNative `ParallelEngine` (the debug path and
+the reference of the equality tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mindloom_train._engine_runner import EngineRunner
+from mindloom_train._parallel import EngineStep
+
+__all__ = ["CompiledPPStep", "PPRunner", "compiled_pp"]
+
+
+def compiled_pp(dims, mode: str) -> bool:
+    """Whether a layout runs the compiled pipeline stages: pp > 1 without tensor parallel,
+    in graph mode. pp with tp (the graph region cells inside a stage) is built but not yet
+    checked against one process under msrun, so it keeps the engine."""
+    return dims.pp > 1 and dims.tp == 1 and mode == "graph"
+
+
+class CompiledPPStep(EngineStep):
+    """`EngineStep` over `PipelineGraph` instead of `ParallelEngine` (see the module)."""
+
+    def __init__(self, model, cfg, pcfg, groups, log):
+        from mindloom_parallel import PipelineGraph, ZeroAdamWGraph
+
+        from mindloom_train import _step
+
+        self.cfg, self.pcfg, self.groups = cfg, pcfg, groups
+        self.model_cfg = model.config
+        self.engine = PipelineGraph(model, pcfg, groups, cfg.training.micro_batch_size)
+        self.params = list(self.engine.params)
+        self.names = list(self.engine.param_names)
+        self.opt = ZeroAdamWGraph(self.params, self.names, groups, pcfg.zero_stage,
+                             _step.decay_flags(self.params, cfg.optimizer.decay_embeddings),
+                             comm_stats=self.engine.comm_stats)  # fmt: skip
+        self.exp_avg, self.exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
+        self.rank_metrics = {"comm_s": 0.0, "step_s": 0.0}
+        total = sum(self.opt.sizes)
+        log(
+            f"parallel: {groups.describe()}; compiled pipeline parallel (each stage's forward "
+            f"and backward an ms.jit graph, 1F1B in Python, AdamW compiled), "
+            f"{len(self.params)} local tensors ({total / 1e6:.3f}M values), AdamW state for {self.opt.state_size / 1e6:.3f}M"
+            + (" (ZeRO-1)" if self.opt.sharded else "")
+        )  # fmt: skip
+
+
+class PPRunner(EngineRunner):
+    """`EngineRunner` with the compiled pipeline step."""
+
+    def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
+        self.cfg, self.rt, self.mcfg = cfg, runtime, built.mcfg
+        self.accum = cfg.grad_accum_steps
+        self.par = CompiledPPStep(built.model, cfg, runtime.pcfg, runtime.groups, log)
