@@ -63,7 +63,7 @@ def _batch(cfg, gbs, seq, seed=0):
 
 def _step_cell(model, reducer):
     import mindspore as ms
-    from mindloom_model._llama import causal_lm_loss
+    from mindloom_model import causal_lm_loss
     from mindspore import nn, ops
 
     class Net(nn.Cell):
@@ -130,7 +130,7 @@ def _adamw_step_cell(model, groups, zero: bool, comm: bool):
     its collectives (the communication share's peer)."""
     import mindspore as ms
     import numpy as np
-    from mindloom_model._llama import causal_lm_loss
+    from mindloom_model import causal_lm_loss
     from mindloom_parallel import GradReducer, ZeroShardUpdate, adamw_scalars
     from mindspore import Parameter, Tensor, nn, ops
 
@@ -186,8 +186,7 @@ def zero_arms(args, groups) -> dict:
     """ms/step of dp2 + ZeRO-1 compiled (and without its collectives: the communication
     share), dp2 with AdamW compiled (the peer), and ZeRO-1 through the PyNative engine."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import (
         ParallelConfig,
         ParallelEngine,
@@ -255,8 +254,7 @@ def _time_engine(engine, tokens, labels, steps):
 def tp_arms(args, groups_dp) -> dict:
     """ms/step of tp2 compiled and tp2 through the engine (PyNative), same workers."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import ParallelConfig, ParallelEngine, init_parallel
     from mindspore import Tensor
 
@@ -278,8 +276,7 @@ def pp_arms(args) -> dict:
     """ms/step of pp2 with compiled stage graphs (PipelineGraph) and through the PyNative
     engine, same workers, same batch; each with an in-place SGD update."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import ParallelConfig, ParallelEngine, PipelineGraph, init_parallel
 
     ms.set_context(mode=ms.PYNATIVE_MODE)  # both: the schedule is Python
@@ -311,8 +308,7 @@ def _time_steps(step, tokens, labels, steps):
 
 def one_process(args) -> float:
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindspore import Tensor
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -325,8 +321,7 @@ def one_process(args) -> float:
 
 def worker(args) -> int:
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import GradReducer, ParallelConfig, dp_slice, init_parallel
     from mindspore import Tensor
 

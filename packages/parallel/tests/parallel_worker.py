@@ -160,8 +160,7 @@ def reference(out: Path, kind: str, overrides: dict) -> dict:
     For AdamW, the same gradients also go through `numpy_adamw` (reference_adamw_numpy.npz):
     ZeroAdamW (and so ZeRO-1) is checked against an optimizer that is not itself."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama, LlamaWithLoss
+    from mindloom_model import Llama, LlamaWithLoss, get_preset
     from mindloom_parallel import ParallelConfig, init_parallel
 
     cfg = get_preset("debug", **overrides)
@@ -197,25 +196,15 @@ def _tag(overrides: dict) -> str:
 
 def Llama_state(cfg) -> dict:
     """The seed-0 initial weights every run starts from (name -> numpy)."""
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama
 
     return {n: p.asnumpy() for n, p in Llama(cfg).parameters_and_names()}
 
 
-def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
-    """dp2 with the forward, backward and bucketed GradReducer in ONE compiled graph."""
-    import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
-    from mindloom_parallel import GradReducer, ParallelConfig, dp_slice, init_parallel
-    from mindspore import Tensor, nn, ops
-
-    cfg = get_preset("debug")
-    pcfg = ParallelConfig(dp=2)
-    groups = init_parallel(pcfg, cfg)
-    model = Llama(cfg)
-    params = model.trainable_params()
-    names = [n for n, _ in model.parameters_and_names()]
+def _masked_loss_cell(model):
+    """A Cell class: the model's masked token NLL summed over the batch / `denom`, written
+    here from MindSpore ops (no mindloom_parallel code), for the hand-built compiled steps."""
+    from mindspore import nn, ops
 
     class Loss(nn.Cell):
         def __init__(self):
@@ -227,6 +216,25 @@ def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
             logp = ops.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
             nll = -ops.gather_elements(logp, 1, labels.reshape(-1, 1)).reshape(-1)
             return (nll * mask.reshape(-1)).sum() / denom
+
+    return Loss
+
+
+def run_compiled_dp(name: str, out: Path, steps: int = STEPS) -> dict:
+    """dp2 with the forward, backward and bucketed GradReducer in ONE compiled graph."""
+    import mindspore as ms
+    from mindloom_model import Llama, get_preset
+    from mindloom_parallel import GradReducer, ParallelConfig, dp_slice, init_parallel
+    from mindspore import Tensor, nn, ops
+
+    cfg = get_preset("debug")
+    pcfg = ParallelConfig(dp=2)
+    groups = init_parallel(pcfg, cfg)
+    model = Llama(cfg)
+    params = model.trainable_params()
+    names = [n for n, _ in model.parameters_and_names()]
+
+    Loss = _masked_loss_cell(model)
 
     class Step(nn.Cell):
         def __init__(self):
@@ -330,8 +338,7 @@ def run_compiled_tp(name: str, out: Path, steps: int = STEPS) -> dict:
     region's collective, the sequence-parallel norm gradients' all-reduce and the global
     gradient norm (mindloom_parallel._tp_graph), on the engine's split of the same model."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import (
         GradReducer,
         ParallelConfig,
@@ -435,8 +442,7 @@ def run_compiled_zero(name: str, out: Path, steps: int = STEPS) -> dict:
     GradReducer, the fused AdamW on this rank's owned parameters (ZeroShardUpdate.update)
     and the owners' values shared with the other replica (ZeroShardUpdate.share)."""
     import mindspore as ms
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import (
         GradReducer,
         ParallelConfig,
@@ -459,16 +465,7 @@ def run_compiled_zero(name: str, out: Path, steps: int = STEPS) -> dict:
     for n, p in zip(names, params):  # the checkpoint path: full tensors loaded in place
         ops.assign(p, Tensor(full[n]))
 
-    class Loss(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.model = model
-
-        def construct(self, tokens, labels, pos, seg, mask, denom):
-            logits = self.model(tokens, pos, seg)
-            logp = ops.log_softmax(logits.reshape(-1, logits.shape[-1]), -1)
-            nll = -ops.gather_elements(logp, 1, labels.reshape(-1, 1)).reshape(-1)
-            return (nll * mask.reshape(-1)).sum() / denom
+    Loss = _masked_loss_cell(model)
 
     zero = ZeroShardUpdate(params, groups.dp, [1.0] * len(params), bucket_size_mb=0.1)
 
@@ -527,8 +524,7 @@ RUNNERS = {"dp2_compiled": run_compiled_dp, "dp2_zero1_compiled": run_compiled_z
 
 
 def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
-    from mindloom_model import get_preset
-    from mindloom_model._llama import Llama
+    from mindloom_model import Llama, get_preset
     from mindloom_parallel import (
         ParallelConfig,
         ParallelEngine,
