@@ -27,26 +27,33 @@ def chunk_metadata(model_cfg, pcfg, world: int) -> tuple[dict, dict]:
 
 
 class EngineStep:
-    """Forward/backward through ParallelEngine plus the trainer's update, for one rank."""
+    """Forward/backward through ParallelEngine plus the trainer's update, for one rank.
+    A subclass swaps the engine and the optimizer (mindloom_parallel's public names) and
+    says what it runs in the log line."""
+
+    ENGINE, OPTIMIZER = "ParallelEngine", "ZeroAdamW"
+    DESCRIPTION = "ParallelEngine (PyNative)"
 
     def __init__(self, model, cfg, pcfg, groups, log):
-        from mindloom_parallel import ParallelEngine, ZeroAdamW
+        import mindloom_parallel
 
         from mindloom_train import _step
 
+        engine_cls = getattr(mindloom_parallel, self.ENGINE)
+        optimizer_cls = getattr(mindloom_parallel, self.OPTIMIZER)
         self.cfg, self.pcfg, self.groups = cfg, pcfg, groups
         self.model_cfg = model.config
-        self.engine = ParallelEngine(model, pcfg, groups, cfg.training.micro_batch_size)
+        self.engine = engine_cls(model, pcfg, groups, cfg.training.micro_batch_size)
         self.params = list(self.engine.params)
         self.names = list(self.engine.param_names)
-        self.opt = ZeroAdamW(self.params, self.names, groups, pcfg.zero_stage,
-                             _step.decay_flags(self.params, cfg.optimizer.decay_embeddings),
-                             comm_stats=self.engine.comm_stats)  # fmt: skip
+        self.opt = optimizer_cls(self.params, self.names, groups, pcfg.zero_stage,
+                                 _step.decay_flags(self.params, cfg.optimizer.decay_embeddings),
+                                 comm_stats=self.engine.comm_stats)  # fmt: skip
         self.exp_avg, self.exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
         self.rank_metrics = {"comm_s": 0.0, "step_s": 0.0}
         total = sum(self.opt.sizes)
         log(
-            f"parallel: {groups.describe()}; ParallelEngine (PyNative), "
+            f"parallel: {groups.describe()}; {self.DESCRIPTION}, "
             f"{len(self.params)} local tensors ({total / 1e6:.3f}M values), AdamW state "
             f"for {self.opt.state_size / 1e6:.3f}M" + (" (ZeRO-1)" if self.opt.sharded else "")
         )  # fmt: skip

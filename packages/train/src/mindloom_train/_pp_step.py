@@ -32,28 +32,9 @@ def compiled_pp(dims, mode: str) -> bool:
 class CompiledPPStep(EngineStep):
     """`EngineStep` over `PipelineGraph` instead of `ParallelEngine` (see the module)."""
 
-    def __init__(self, model, cfg, pcfg, groups, log):
-        from mindloom_parallel import PipelineGraph, ZeroAdamWGraph
-
-        from mindloom_train import _step
-
-        self.cfg, self.pcfg, self.groups = cfg, pcfg, groups
-        self.model_cfg = model.config
-        self.engine = PipelineGraph(model, pcfg, groups, cfg.training.micro_batch_size)
-        self.params = list(self.engine.params)
-        self.names = list(self.engine.param_names)
-        self.opt = ZeroAdamWGraph(self.params, self.names, groups, pcfg.zero_stage,
-                             _step.decay_flags(self.params, cfg.optimizer.decay_embeddings),
-                             comm_stats=self.engine.comm_stats)  # fmt: skip
-        self.exp_avg, self.exp_avg_sq = self.opt.exp_avg, self.opt.exp_avg_sq
-        self.rank_metrics = {"comm_s": 0.0, "step_s": 0.0}
-        total = sum(self.opt.sizes)
-        log(
-            f"parallel: {groups.describe()}; compiled pipeline parallel (each stage's forward "
-            f"and backward an ms.jit graph, 1F1B in Python, AdamW compiled), "
-            f"{len(self.params)} local tensors ({total / 1e6:.3f}M values), AdamW state for {self.opt.state_size / 1e6:.3f}M"
-            + (" (ZeRO-1)" if self.opt.sharded else "")
-        )  # fmt: skip
+    ENGINE, OPTIMIZER = "PipelineGraph", "ZeroAdamWGraph"
+    DESCRIPTION = ("compiled pipeline parallel (each stage's forward and backward an ms.jit "
+                   "graph, 1F1B in Python, AdamW compiled)")  # fmt: skip
 
 
 class PPRunner(EngineRunner):
