@@ -40,6 +40,35 @@ class _Stage(nn.Cell):
         return self.loss_sum(out, labels, loss_mask) / denom
 
 
+class StageQueues:
+    """What a pipeline stage's 1F1B actions hand each other, and its communication
+    actions (``_pp.one_f_one_b``: each one exchange with a neighbour stage)."""
+
+    def __init__(self, groups, shape, dtype):
+        self.groups, self.shape, self.dtype = groups, shape, dtype
+        self.pending_in: list = []  # received activations, in micro-batch order
+        self.pending_grad: list = []  # received output gradients, in micro-batch order
+        self.outputs: list = []  # forward outputs still to be sent, in order
+        self.input_grads: list = []  # input gradients still to be sent, in order
+
+    def communicate(self, kind: str) -> None:
+        g, shape, dtype = self.groups, self.shape, self.dtype
+        if kind == "send_fwd":
+            exchange(self.outputs.pop(0), None, dtype, g.pp_next)
+        elif kind == "recv_fwd":
+            self.pending_in.append(exchange(None, shape, dtype, g.pp_prev))
+        elif kind == "send_fwd_recv_bwd":
+            self.pending_grad.append(exchange(self.outputs.pop(0), shape, dtype, g.pp_next))
+        elif kind == "send_bwd_recv_fwd":
+            self.pending_in.append(exchange(self.input_grads.pop(0), shape, dtype, g.pp_prev))
+        elif kind == "recv_bwd":
+            self.pending_grad.append(exchange(None, shape, dtype, g.pp_next))
+        elif kind == "send_bwd":
+            exchange(self.input_grads.pop(0), None, dtype, g.pp_prev)
+        else:
+            raise ValueError(f"unknown pipeline action {kind!r}")
+
+
 class ParallelEngine:
     """Forward and backward of one optimizer step for this rank.
 
@@ -249,11 +278,8 @@ class ParallelEngine:
         dtype = self.model.compute_dtype
         first, last = g.is_first_stage, g.is_last_stage
         acts = one_f_one_b(g.pp_rank, self.pcfg.pp, len(micro))
-        pending_in: list = []  # received activations, in micro-batch order
-        pending_grad: list = []  # received output gradients, in micro-batch order
+        q = StageQueues(g, shape, dtype)
         inputs: dict[int, object] = {}  # micro-batch -> stage input, until its backward
-        outputs: list = []  # forward outputs still to be sent, in order
-        input_grads: list = []  # input gradients still to be sent, in order
         total = ops.zeros((), ms.float32)
         acc = None
         one = ops.ones((), ms.float32)
@@ -261,7 +287,7 @@ class ParallelEngine:
             kind = act[0]
             if kind == "fwd":
                 i = act[1]
-                x = micro[i]["tokens"] if first else pending_in.pop(0)
+                x = micro[i]["tokens"] if first else q.pending_in.pop(0)
                 # MindSpore's PyNative keeps one taped forward at a time, so the tape is
                 # rebuilt at the backward (one extra forward per micro-batch; like full
                 # activation recompute, only the stage input is kept)
@@ -270,27 +296,17 @@ class ParallelEngine:
                 if last:
                     total = total + out
                 else:
-                    outputs.append(out)
+                    q.outputs.append(out)
             elif kind == "bwd":
                 i = act[1]
-                dy = one if last else pending_grad.pop(0)
+                dy = one if last else q.pending_grad.pop(0)
                 _, vjp_fn = self._fwd(inputs.pop(i), micro[i], denom)
                 in_grads, wgrads = vjp_fn(dy)
                 acc = list(wgrads) if acc is None else [a + b for a, b in zip(acc, wgrads)]
                 if not first:
-                    input_grads.append(in_grads[0])
-            elif kind == "send_fwd":
-                exchange(outputs.pop(0), None, dtype, g.pp_next)
-            elif kind == "recv_fwd":
-                pending_in.append(exchange(None, shape, dtype, g.pp_prev))
-            elif kind == "send_fwd_recv_bwd":
-                pending_grad.append(exchange(outputs.pop(0), shape, dtype, g.pp_next))
-            elif kind == "send_bwd_recv_fwd":
-                pending_in.append(exchange(input_grads.pop(0), shape, dtype, g.pp_prev))
-            elif kind == "recv_bwd":
-                pending_grad.append(exchange(None, shape, dtype, g.pp_next))
-            elif kind == "send_bwd":
-                exchange(input_grads.pop(0), None, dtype, g.pp_prev)
+                    q.input_grads.append(in_grads[0])
+            else:
+                q.communicate(kind)
         return total, acc
 
     def eval_loss(self, batch: dict) -> float:

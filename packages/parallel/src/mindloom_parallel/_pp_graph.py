@@ -31,32 +31,12 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
-from mindloom_parallel._comm import exchange
-from mindloom_parallel._engine import ParallelEngine
+from mindloom_parallel._engine import ParallelEngine, StageQueues
 from mindloom_parallel._pp import one_f_one_b
-from mindloom_parallel._tp import VocabParallelNLL
-from mindloom_parallel._tp_graph import ReduceFromTPGraph, _GroupMax
+from mindloom_parallel._tp_graph import VocabParallelLossSumGraph
 from mindloom_parallel._zero import ZeroAdamW
 
 __all__ = ["PipelineGraph", "ZeroAdamWGraph"]
-
-
-class LossSumGraph(nn.Cell):
-    """sum(nll * loss_mask) over local-vocab logits [B, S, V/tp], as graph ops: the
-    engine's ``VocabParallelLossSum`` with ``_tp_graph``'s region cells (the row max
-    through an all-gather, the two sums through all-reduces over tp)."""
-
-    def __init__(self, group, vocab_start: int):
-        super().__init__()
-        self.row_max = _GroupMax(group)
-        self.nll = VocabParallelNLL(vocab_start, ReduceFromTPGraph(group), ReduceFromTPGraph(group))
-
-    def construct(self, logits, labels, loss_mask):
-        v = logits.shape[-1]
-        flat = logits.reshape(-1, v).astype(ms.float32)
-        row_max = ops.stop_gradient(self.row_max(ops.amax(flat, -1).reshape(1, -1)))
-        nll = self.nll(flat - row_max.reshape(-1, 1), labels)
-        return (nll * loss_mask.reshape(-1).astype(ms.float32)).sum()
 
 
 class _Forward(nn.Cell):
@@ -134,7 +114,8 @@ class PipelineGraph(ParallelEngine):
         return model
 
     def _loss_cell(self, group, start: int):
-        return LossSumGraph(group, start)
+        # the engine's VocabParallelLossSum as graph ops
+        return VocabParallelLossSumGraph(group, start)
 
     def _build_graphs(self) -> None:
         weights = ms.ParameterTuple(self.params)
@@ -160,11 +141,8 @@ class PipelineGraph(ParallelEngine):
         self._seq = micro[0]["tokens"].shape[1]
         shape, dtype = self._act_shape(), self.model.compute_dtype
         first, last = g.is_first_stage, g.is_last_stage
-        pending_in: list = []  # received activations, in micro-batch order
-        pending_grad: list = []  # received output gradients, in micro-batch order
+        q = StageQueues(g, shape, dtype)
         inputs: dict[int, object] = {}  # micro-batch -> stage input, until its backward
-        outputs: list = []  # forward outputs still to be sent, in order
-        input_grads: list = []  # input gradients still to be sent, in order
         total = ops.zeros((), ms.float32)
         one = ops.ones((), ms.float32)
         acc = None  # the weight gradients summed over the micro-batches so far
@@ -172,30 +150,20 @@ class PipelineGraph(ParallelEngine):
             kind = act[0]
             if kind == "fwd":
                 i = act[1]
-                x = micro[i]["tokens"] if first else pending_in.pop(0)
+                x = micro[i]["tokens"] if first else q.pending_in.pop(0)
                 inputs[i] = x
                 if not last:  # the last stage's forward runs inside its backward, next
-                    outputs.append(self._forward_only(x, micro[i], denom))
+                    q.outputs.append(self._forward_only(x, micro[i], denom))
             elif kind == "bwd":
                 i = act[1]
-                dy = one if last else pending_grad.pop(0)
+                dy = one if last else q.pending_grad.pop(0)
                 out, dx, acc = self._backward(inputs.pop(i), micro[i], denom, dy, acc)
                 if last:
                     total = total + out
                 if not first:
-                    input_grads.append(dx)
-            elif kind == "send_fwd":
-                exchange(outputs.pop(0), None, dtype, g.pp_next)
-            elif kind == "recv_fwd":
-                pending_in.append(exchange(None, shape, dtype, g.pp_prev))
-            elif kind == "send_fwd_recv_bwd":
-                pending_grad.append(exchange(outputs.pop(0), shape, dtype, g.pp_next))
-            elif kind == "send_bwd_recv_fwd":
-                pending_in.append(exchange(input_grads.pop(0), shape, dtype, g.pp_prev))
-            elif kind == "recv_bwd":
-                pending_grad.append(exchange(None, shape, dtype, g.pp_next))
-            elif kind == "send_bwd":
-                exchange(input_grads.pop(0), None, dtype, g.pp_prev)
+                    q.input_grads.append(dx)
+            else:
+                q.communicate(kind)
         return total, list(acc)
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "TPLlamaWithLoss",
     "TPNormSquare",
     "VocabParallelLossMean",
+    "VocabParallelLossSumGraph",
     "parallelize_llama_graph",
 ]
 
@@ -181,23 +182,37 @@ class _GroupMax(nn.Cell):
         return ops.amax(rows, 0, keepdims=True)
 
 
-class VocabParallelLossMean(nn.Cell):
-    """mean of nll over the unmasked tokens of local-vocab logits [B, S, V/tp] (fp32): the
-    one-process ``causal_lm_loss`` of the full logits, the same value on every TP rank."""
+class VocabParallelLossSumGraph(nn.Cell):
+    """sum of nll over the unmasked tokens of local-vocab logits [B, S, V/tp] (fp32), as
+    graph ops: the row max through an all-gather, the two sums through all-reduces over
+    tp; the same value on every TP rank."""
 
     def __init__(self, group: Group, vocab_start: int, world_allgather: bool = True):
         super().__init__()
         self.row_max = _GroupMax(group, world_allgather)
         self.nll = VocabParallelNLL(vocab_start, ReduceFromTPGraph(group), ReduceFromTPGraph(group))
 
-    def construct(self, logits, labels, loss_mask):
+    def masked_nll(self, logits, labels, m):
+        """nll * m per token, m the flat fp32 loss mask."""
         v = logits.shape[-1]
         flat = logits.reshape(-1, v).astype(ms.float32)
         # any per-row constant that is the same on every rank stabilizes the exp
         row_max = ops.stop_gradient(self.row_max(ops.amax(flat, -1).reshape(1, -1)))
-        nll = self.nll(flat - row_max.reshape(-1, 1), labels)
+        return self.nll(flat - row_max.reshape(-1, 1), labels) * m
+
+    def construct(self, logits, labels, loss_mask):
+        return self.masked_nll(logits, labels, loss_mask.reshape(-1).astype(ms.float32)).sum()
+
+
+class VocabParallelLossMean(VocabParallelLossSumGraph):
+    """mean of nll over the unmasked tokens of local-vocab logits [B, S, V/tp] (fp32): the
+    one-process ``causal_lm_loss`` of the full logits, the same value on every TP rank."""
+
+    def construct(self, logits, labels, loss_mask):
         m = loss_mask.reshape(-1).astype(ms.float32)
-        return (nll * m).sum() / ops.maximum(m.sum(), ops.ones((), ms.float32))
+        return self.masked_nll(logits, labels, m).sum() / ops.maximum(
+            m.sum(), ops.ones((), ms.float32)
+        )
 
 
 class TPLlamaWithLoss(nn.Cell):
