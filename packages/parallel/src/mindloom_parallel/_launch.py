@@ -140,6 +140,22 @@ def launch(
     ended.mkdir()
     run_env = _msrun_env(env, stop_grace_s, lock, collective_timeout_s)
     run_env[RUN_ENDED_ENV] = str(ended)
+    rc, stop = _run_msrun(cmd, run_env, log_dir, timeout_s, stop_grace_s)
+    if rc != 0 and not stop.killed and _ended_cleanly(ended, nproc):
+        # every worker had finished its run (files durable) and said so before msrun saw
+        # the failure: a crash in MindSpore's teardown, not a failed job
+        killed = _killed_rank(log_dir)
+        who = f"rank {killed[0]} died by {killed[1]}" if killed else f"msrun exited with {rc}"
+        print(f"launch: warning: {who} after every worker had ended its run with code 0 "
+              f"(a crash in MindSpore's teardown); the job's files are complete; logs in "
+              f"{log_dir}", file=sys.stderr)  # fmt: skip
+        rc = 0
+    _raise_for_outcome(rc, stop, stop_grace_s, log_dir)
+    return 0
+
+
+def _run_msrun(cmd, run_env: dict, log_dir: Path, timeout_s, stop_grace_s: float):
+    """msrun until it ends, signals forwarded; returns (its exit code, the stop state)."""
     with open(log_dir / "msrun.log", "ab") as out:
         # msrun in a session of its own: a terminal's Ctrl-C reaches this launcher only (msrun
         # would SIGKILL the workers on SIGINT, no checkpoint); the launcher forwards it.
@@ -162,17 +178,7 @@ def launch(
             except BaseException:
                 job.kill()
                 raise
-    if rc != 0 and not stop.killed and _ended_cleanly(ended, nproc):
-        # every worker had finished its run (files durable) and said so before msrun saw
-        # the failure: a crash in MindSpore's teardown, not a failed job
-        killed = _killed_rank(log_dir)
-        who = f"rank {killed[0]} died by {killed[1]}" if killed else f"msrun exited with {rc}"
-        print(f"launch: warning: {who} after every worker had ended its run with code 0 "
-              f"(a crash in MindSpore's teardown); the job's files are complete; logs in "
-              f"{log_dir}", file=sys.stderr)  # fmt: skip
-        rc = 0
-    _raise_for_outcome(rc, stop, stop_grace_s, log_dir)
-    return 0
+    return rc, stop
 
 
 def _ended_cleanly(ended: Path, nproc: int) -> bool:
