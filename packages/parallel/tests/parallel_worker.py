@@ -586,7 +586,10 @@ def _late_all_reduce(late_rank: int, late_s: float, out: Path) -> int:
     sums.append(float(reduce(mine).asnumpy()[0]))
     waited = time.monotonic() - t0
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"late_rank{rank}.json").write_text(json.dumps({"sums": sums, "waited_s": waited}))
+    retry = [os.environ.get(n) for n in ("MS_RETRY_INTERVAL_LOWER", "MS_RETRY_INTERVAL_UPPER")]
+    (out / f"late_rank{rank}.json").write_text(
+        json.dumps({"sums": sums, "waited_s": waited, "retry_interval": retry})
+    )
     mark_run_ended(0)
     return 0
 

@@ -132,6 +132,20 @@ def test_a_rank_half_a_minute_behind_its_peers_does_not_fail_the_collective(tmp_
         got = json.loads((out / f"late_rank{rank}.json").read_text())
         assert got["sums"] == [3.0, 3.0], (rank, got)
     assert json.loads((out / "late_rank0.json").read_text())["waited_s"] > 35
+    # one node: the workers retry their registration every second (RETRY_INTERVAL_ENVS)
+    assert got["retry_interval"] == ["1", "1"]
+
+
+def test_registration_retry_is_one_second_on_one_node_and_mindspores_own_on_several():
+    from mindloom_parallel._launch import RETRY_INTERVAL_ENVS, _msrun_env
+
+    base = {"PATH": "/usr/bin"}
+    one = _msrun_env(dict(base), 300.0, None, 1800, nnodes=1)
+    assert [one[n] for n in RETRY_INTERVAL_ENVS] == ["1", "1"]
+    several = _msrun_env(dict(base), 300.0, None, 1800, nnodes=2)
+    assert not any(n in several for n in RETRY_INTERVAL_ENVS)
+    mine = _msrun_env({**base, "MS_RETRY_INTERVAL_LOWER": "4"}, 300.0, None, 1800, nnodes=1)
+    assert mine["MS_RETRY_INTERVAL_LOWER"] == "4"  # the user's setting wins
 
 
 def test_diagnose_quotes_a_rank_that_reported_its_own_error(tmp_path):
