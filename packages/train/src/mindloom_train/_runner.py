@@ -125,9 +125,12 @@ class CompiledRunner:
             self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
+        zero_cell = self.zero.cell if self.zero is not None else None
+        if self.ep is not None:  # ZeRO-1 under ep: dense over dp, experts over edp
+            zero_cell = self.ep.zero
         self.train_step = _step.TrainStep(
             built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
-            norm_reducer=norm_red, zero=self.zero.cell if self.zero is not None else None,
+            norm_reducer=norm_red, zero=zero_cell,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach(self.train_step, flags)
@@ -302,6 +305,8 @@ class CompiledRunner:
         load_params(self.params + self.buffers, weights, where)
         if self.zero is not None:
             return self.zero.load_moments(arrays, self.mcfg)
+        if self.ep is not None and self.ep.zero is not None:
+            return self.ep.load_moments(arrays, where)
         opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
         load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
 
