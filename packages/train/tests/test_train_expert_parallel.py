@@ -52,6 +52,9 @@ SLOTS = 8 * 32 * 2  # token-slots per router and step: 8 samples x 32 tokens x k
 EP = {"dp": 2, "ep": 2}
 EP_ZERO = {"ep": 2, "zero_stage": 1}  # dp = world / (tp*pp) = 2
 CAPACITY = {"moe_capacity_factor": 1.0}  # C = 32 slots per expert, rank and micro-batch
+NUMERICS = {"numerics": True}  # L2 and AC: per-layer norms and moments at every step
+NUMERICS_KEYS = ("grad_norm_layers", "param_norm_layers", "update_ratio_layers",
+                 "adam_m_layers", "adam_sqrt_v_layers")  # fmt: skip
 
 
 def _config(prepared, run: Path, **sections) -> dict:
@@ -103,15 +106,17 @@ def resumed(prepared, runs) -> dict:
     _seed_checkpoint(runs["l"], 10, l2)
     _seed_checkpoint(runs["l"], 10, ac)
     procs = {"l2": start_launch(_config(prepared, l2, parallelism=EP, model=CAPACITY,
-                                        checkpoint=drift), root / "l2.yaml",
+                                        checkpoint=drift, monitor=NUMERICS), root / "l2.yaml",
                                 fault="sigterm@15", timeout_s=500)}  # fmt: skip
     try:
-        assert run_config(_config(prepared, ac, model=CAPACITY, checkpoint=drift)) == 0
+        assert run_config(_config(prepared, ac, model=CAPACITY, checkpoint=drift,
+                                  monitor=NUMERICS)) == 0  # fmt: skip
         wait_launches(procs, timeout_s=560)
     finally:
         stop_launches(procs, {"l2": l2 / "msrun_logs"})
     _seed_checkpoint(l2, 15, r)
-    assert run_config(_config(prepared, r, model=CAPACITY)) == 0
+    # numerics on as in AC: the same graphs, so R's come from AC's compile (the cache)
+    assert run_config(_config(prepared, r, model=CAPACITY, monitor=NUMERICS)) == 0
     return {"l2": l2, "ac": ac, "r": r}
 
 
@@ -284,6 +289,28 @@ def test_same_ep_resume_with_a_capacity_drops_what_one_process_drops(runs, resum
     np.testing.assert_array_equal(_biases(tb), _biases(ta))
     worst = max(float(np.abs(ta[k] - tb[k]).max()) for k in ta)
     assert worst < 1e-4, worst
+
+
+def test_numerics_under_ep_combine_the_expert_blocks(runs, resumed):
+    """`monitor.numerics` under ep2 (L2): each rank's rows of its expert blocks are
+    combined over the ep group, so the per-layer statistics are the whole model's: AC's
+    (one process) at every step, and NumPy's from the checkpoints: the weight norms of
+    step 11 (before its update: L's step-10 tensors) and the moments' means of step 15."""
+    a, b = step_records(resumed["ac"]), step_records(resumed["l2"])
+    for step in b:
+        for key in NUMERICS_KEYS:
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (step, key)
+    w10, t15 = _tensors(runs["l"], 10), _tensors(resumed["l2"], 15)
+    for layer in (0, 1):  # the dense layer and the MoE layer (8 experts, 4 per rank)
+        names = [n for n in w10 if n.startswith(f"layers.{layer}.") and f"exp_avg.{n}" in w10]
+        assert any(".mlp.experts." in n for n in names) == (layer == 1)
+        norm = np.sqrt(sum((w10[n].astype(np.float64) ** 2).sum() for n in names))
+        assert b[11]["param_norm_layers"][layer] == pytest.approx(norm, rel=1e-5), layer
+        count = sum(t15[n].size for n in names)
+        m = sum(np.abs(t15[f"exp_avg.{n}"].astype(np.float64)).sum() for n in names) / count
+        v = sum(np.sqrt(t15[f"exp_avg_sq.{n}"].astype(np.float64)).sum() for n in names) / count
+        assert b[15]["adam_m_layers"][layer] == pytest.approx(m, rel=1e-5), layer
+        assert b[15]["adam_sqrt_v_layers"][layer] == pytest.approx(v, rel=1e-5), layer
 
 
 def test_ep2_checkpoint_resumes_on_one_process(resumed):

@@ -166,6 +166,28 @@ class CompiledEP:
 
     # ------------------------------------------------------------------ metrics
 
+    def global_sizes(self, sizes: list[int]) -> list[int]:
+        """Per local tensor (the step's order), its values in the whole model."""
+        from mindloom_parallel import is_expert_param
+
+        return [n * self.pcfg.ep if is_expert_param(name) else n
+                for name, n in zip(self.names, sizes)]  # fmt: skip
+
+    def combine_numerics(self, rows: np.ndarray) -> np.ndarray:
+        """TrainStep's numerics rows [tensors, 5] of this rank -> the whole tensors' (host,
+        collective over the ep group): an expert block's squared norms (gradient, weight,
+        update) summed over the ep ranks, its mean |m| and mean sqrt(v) averaged (equal
+        blocks); the dense rows are the same on every rank and kept."""
+        from mindloom_parallel import gather_rows, is_expert_param
+
+        rows = np.asarray(rows, np.float32)
+        every = gather_rows(rows.reshape(-1), self.ep).reshape(self.ep.size, *rows.shape)
+        expert = np.array([is_expert_param(n) for n in self.names])
+        out = rows.astype(np.float64)
+        out[expert, :3] = every[:, expert, :3].astype(np.float64).sum(0)
+        out[expert, 3:] = every[:, expert, 3:].astype(np.float64).mean(0)
+        return out
+
     def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
         from mindloom_parallel import ep_traffic
 
