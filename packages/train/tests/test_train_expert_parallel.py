@@ -155,6 +155,28 @@ def test_dp_not_given_is_the_world_under_launch_and_1_on_one_process(prepared, t
         from_dict(_config(prepared, tmp_path, parallelism={"tp": 2}), world_size=3)
 
 
+def test_zero1_with_ep_is_the_ep_step_and_is_no_longer_refused(prepared, tmp_path):
+    """ZeRO-1 under ep is the compiled ep step's (`_ep_step`, its own sharding), never the
+    plain ZeRO-1 step; deepseek_v3 takes zero_stage 1 only with ep > 1 (one line else)."""
+    from mindloom_parallel import ParallelDims
+    from mindloom_train._config import ConfigError, from_dict
+    from mindloom_train._ep_step import compiled_ep
+    from mindloom_train._modelcfg import build_model_config
+    from mindloom_train._zero_step import compiled_zero
+
+    for kw, ep, zero in [(EP_ZERO | {"dp": 2}, True, False), ({"dp": 2, "ep": 2}, True, False),
+                         ({"dp": 2, "zero_stage": 1}, False, True),
+                         ({"dp": 2, "ep": 2, "tp": 2}, False, False)]:  # fmt: skip
+        dims = ParallelDims.from_dict(kw)
+        assert (compiled_ep(dims), compiled_zero(dims, "graph")) == (ep, zero), kw
+    cfg = from_dict(_config(prepared, tmp_path, parallelism=EP_ZERO), world_size=2)
+    assert build_model_config(cfg, 65).family == "deepseek_v3"
+    cfg = from_dict(_config(prepared, tmp_path, parallelism={"dp": 2, "zero_stage": 1}))
+    with pytest.raises(ConfigError, match=r"parallelism.zero_stage: 1 is not supported .*"
+                       r"with ZeRO-1 only under parallelism.ep > 1\); use 0$"):  # fmt: skip
+        build_model_config(cfg, 65)
+
+
 def test_ep2_losses_loads_and_biases_equal_one_process(runs):
     a, b = step_records(runs["a"]), step_records(runs["l"])
     assert sorted(b) == list(range(2, STEPS + 1))
