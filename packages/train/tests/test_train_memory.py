@@ -220,6 +220,36 @@ def test_deepseek_family_is_estimated():
     assert not big.fits and big.suggestions
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_expert_parallel_keeps_e_over_ep_experts_per_rank(zero):
+    """deepseek-v3-debug by hand: 3 MoE blocks (layers 1 and 2, the MTP depth) x 8 routed
+    experts x 3 matrices of 64 x 32 = 147,456 expert values; under ep2 each rank keeps
+    4 of 8, so its weights, gradients and moments lose 73,728 values; with ZeRO-1 the
+    dense moments split over dp = 2 and the expert ones over dp / ep = 1 (not split)."""
+    from mindloom_model import get_preset
+
+    routed = 3 * 8 * 3 * 64 * 32
+    n = get_preset("deepseek-v3-debug", vocab_size=256).num_params()
+
+    def comps(ep):
+        cfg = _cfg(model={"preset": "deepseek-v3-debug", "vocab_size": 256},
+                   train_dataset={"seq_length": 32}, training={"micro_batch_size": 4},
+                   parallelism={"dp": 2, "ep": ep, "zero_stage": zero})  # fmt: skip
+        est = _memory.estimate(cfg, nproc=2, device="cpu")
+        assert est.layout["ep"] == ep
+        return est.components
+
+    one, two = comps(1), comps(2)
+    local = n - routed // 2
+    for c, values in ((one, n), (two, local)):
+        assert c["parameters"] == 4 * values and c["gradients"] == 4 * values
+    if not zero:
+        assert one["optimizer states"] == 8 * n and two["optimizer states"] == 8 * local
+    else:
+        assert two["optimizer states"] == 8 * (math.ceil((n - routed) / 2) + routed // 2)
+        assert two["optimizer states"] < one["optimizer states"] <= 8 * n
+
+
 def test_unknown_device_and_bad_max_device_memory_are_one_line():
     with pytest.raises(ConfigError, match="unknown device"):
         _memory.estimate(_cfg(), device="tpu-v9")

@@ -43,6 +43,7 @@ __all__ = [
     "__version__",
     "EPGradReducer",
     "EPNormSquare",
+    "EPZeroShardUpdate",
     "GatherSeqGraph",
     "ReduceScatterSeqGraph",
     "ep_group_ranks",
@@ -109,6 +110,7 @@ __all__ = [
 _LAZY = {
     "EPGradReducer": "_ep",
     "EPNormSquare": "_ep",
+    "EPZeroShardUpdate": "_ep",
     "ep_group_ranks": "_ep",
     "ep_traffic": "_ep",
     "expert_block": "_ep",

@@ -35,6 +35,7 @@ from mindloom_parallel._groups import Group, coords_rank, rank_coords
 __all__ = [
     "EPGradReducer",
     "EPNormSquare",
+    "EPZeroShardUpdate",
     "ep_group_ranks",
     "ep_traffic",
     "expert_block",
@@ -190,3 +191,75 @@ def ep_traffic(local_loads: np.ndarray, global_loads: np.ndarray, ep: int, ep_in
     sent = float(loc.sum() - loc[..., mine].sum())
     received = float(glo[..., mine].sum() - loc[..., mine].sum())
     return sent, received
+
+
+class EPZeroShardUpdate(nn.Cell):
+    """ZeRO-1 under expert parallel, as graph ops (``ZeroShardUpdate``'s two methods):
+    the dense parameters' AdamW state sharded over dp as without ep, each expert block's
+    over the expert-data-parallel group (the ranks holding the same experts). With
+    ``dp == ep`` that group is this rank alone: it owns and updates all of its expert
+    blocks and shares none, so expert state is held exactly once in the world (each rank
+    its own E/ep experts' moments, nowhere replicated). ``exp_avg`` / ``exp_avg_sq``: the
+    owned moments, dense first; ``owned``: their indices into ``params``."""
+
+    def __init__(self, params, dp: Group, edp: Group, decay_flags, bucket_size_mb: float = 25.0):
+        super().__init__(auto_prefix=False)
+        from mindloom_parallel._zero_graph import ZeroShardUpdate
+
+        params = list(params)
+        expert = [is_expert_param(p.name) for p in params]
+        self.dense_idx = tuple(i for i in range(len(params)) if not expert[i])
+        self.expert_idx = tuple(i for i in range(len(params)) if expert[i])
+        flags = list(decay_flags)
+        self.dense = ZeroShardUpdate([params[i] for i in self.dense_idx], dp,
+                                     [flags[i] for i in self.dense_idx], bucket_size_mb)  # fmt: skip
+        self.expert = ZeroShardUpdate([params[i] for i in self.expert_idx], edp,
+                                      [flags[i] for i in self.expert_idx], bucket_size_mb)  # fmt: skip
+        self.owned = tuple(self.dense_idx[j] for j in self.dense.owned) + tuple(
+            self.expert_idx[j] for j in self.expert.owned
+        )
+        self.exp_avg = ms.ParameterTuple([*self.dense.exp_avg, *self.expert.exp_avg])
+        self.exp_avg_sq = ms.ParameterTuple([*self.dense.exp_avg_sq, *self.expert.exp_avg_sq])
+        self.groups = (dp, edp)
+        self.sizes = [int(np.prod(p.shape)) for p in params]
+
+    @property
+    def state_values(self) -> int:
+        """Values of AdamW state per moment this rank keeps."""
+        return self.dense.state_values + self.expert.state_values
+
+    def update(self, grads, factor, lr, beta1, beta2, eps, weight_decay, token):
+        """AdamW on the owned dense and expert tensors (``grads``: all, already reduced)."""
+        dense, expert = (), ()
+        for i in self.dense_idx:
+            dense = dense + (grads[i],)
+        for i in self.expert_idx:
+            expert = expert + (grads[i],)
+        token = self.dense.update(dense, factor, lr, beta1, beta2, eps, weight_decay, token)
+        return self.expert.update(expert, factor, lr, beta1, beta2, eps, weight_decay, token)
+
+    def share(self, token):
+        """The owners' values to the replicas: dense over dp, then experts over the
+        expert-data-parallel group (nothing when it is this rank alone), one chain."""
+        return self.expert.share(self.dense.share(token))
+
+    def full_moments(self) -> dict[str, np.ndarray]:
+        """Host side, collective over dp (and edp): every LOCAL tensor's moments (the dense
+        ones whole, this rank's expert blocks), keyed ``exp_avg.<name>`` as the step's;
+        each shard's owners contribute their moments and the others zeros (exact)."""
+        from mindloom_parallel._comm import all_reduce
+
+        out = {}
+        for cell, group in ((self.dense, self.groups[0]), (self.expert, self.groups[1])):
+            if not cell.sizes:
+                continue
+            for kind, mine in (("exp_avg", cell.exp_avg), ("exp_avg_sq", cell.exp_avg_sq)):
+                own = {cell.owned[k]: mine[k].asnumpy() for k in range(len(cell.owned))}
+                flat = np.concatenate([own[i].reshape(-1) if i in own else np.zeros(n, np.float32)
+                                       for i, n in enumerate(cell.sizes)])  # fmt: skip
+                if group.size > 1:
+                    flat = all_reduce(ms.Tensor(flat), group, timed=False).asnumpy()
+                for i, piece in enumerate(np.split(flat, np.cumsum(cell.sizes)[:-1])):
+                    name = cell.params[i].name
+                    out[f"{kind}.{name}"] = piece.reshape(cell.shapes[i])
+        return out

@@ -72,7 +72,9 @@ class ZeroShardUpdate(nn.Cell):
         )
         self.bucket_sizes = tuple(tuple(self.sizes[i] for i in b) for b in buckets)
         self.shapes = tuple(tuple(p.shape) for p in params)
-        self.allreduce = ops.AllReduce(ops.ReduceOp.SUM, group=dp.name)
+        # a group of one (expert state under ep = dp: the expert-data-parallel group) owns
+        # everything and shares nothing
+        self.allreduce = ops.AllReduce(ops.ReduceOp.SUM, group=dp.name) if dp.size > 1 else None
 
     @property
     def state_values(self) -> int:
@@ -92,6 +94,8 @@ class ZeroShardUpdate(nn.Cell):
     def share(self, token):
         """Every replica gets the owners' values (after whatever ``token`` waits for: the
         update, applied or skipped); returns ``token`` made to wait for the copies."""
+        if self.allreduce is None:
+            return token
         for b in range(len(self.plan)):
             bucket = self.plan[b]
             flat = ()

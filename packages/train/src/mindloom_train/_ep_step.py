@@ -29,9 +29,9 @@ from mindloom_train import _checkpoint as ck
 
 
 def compiled_ep(dims) -> bool:
-    """Expert parallel without tensor / pipeline parallel or ZeRO-1 (those are refused for
-    deepseek_v3 in `_build`)."""
-    return getattr(dims, "ep", 1) > 1 and not dims.needs_engine
+    """Expert parallel (with or without ZeRO-1) without tensor / pipeline parallel (those
+    are refused for deepseek_v3 in `_modelcfg`)."""
+    return getattr(dims, "ep", 1) > 1 and dims.tp == 1 and dims.pp == 1
 
 
 class CompiledEP:
@@ -65,6 +65,14 @@ class CompiledEP:
         self.norm_reducer = EPNormSquare(self.names, self.ep)
         self.params = params
         self.train_step = None
+        # ZeRO-1: dense AdamW state over dp, expert state over the expert-data-parallel
+        # group (with dp == ep: this rank alone, so no replica of it anywhere)
+        self.zero = None
+        if pcfg.zero_stage == 1:
+            from mindloom_parallel import EPZeroShardUpdate
+
+            flags = _step.decay_flags(params, cfg.optimizer.decay_embeddings)
+            self.zero = EPZeroShardUpdate(params, g.dp, self.edp, flags, pcfg.bucket_size_mb)
         # the exchange in a graph of its own (see exchange_fields), and the step's whole
         # communication (the exchange + the dense buckets) for the runner's comm_probe
         self.exchange = ExchangeProbe(self.ep, built.model, cfg.training.micro_batch_size,
@@ -82,6 +90,13 @@ class CompiledEP:
         log(f"parallel: {g.describe()}; expert parallel ep={pcfg.ep} (ep rank {self.ep.index}, "
             f"experts {self._block()}), expert-data-parallel {self.edp.size}; "
             f"{len(params)} local tensors, {n_exp / 1e6:.3f}M expert values here")  # fmt: skip
+        if self.zero is not None:
+            z = self.zero
+            log(f"parallel: ZeRO-1 under expert parallel: AdamW state for "
+                f"{z.dense.state_values} dense + {z.expert.state_values} expert of this "
+                f"rank's {sum(z.sizes)} values ({8 * z.state_values / 2**20:.2f} MiB; dense "
+                f"over dp={pcfg.dp}, expert blocks over expert-data-parallel "
+                f"{self.edp.size})")  # fmt: skip
 
     def _block(self) -> str:
         from mindloom_parallel import expert_block
@@ -100,7 +115,10 @@ class CompiledEP:
         from mindloom_parallel import expert_metadata, gather_experts
 
         ts = self.train_step
-        opt = {p.name: p.asnumpy() for p in (*ts.exp_avg, *ts.exp_avg_sq)}
+        if self.zero is not None:  # collective over dp (and edp): the owners' moments
+            opt = self.zero.full_moments()
+        else:
+            opt = {p.name: p.asnumpy() for p in (*ts.exp_avg, *ts.exp_avg_sq)}
         local = {n: model_arrays[n] for n in self.expert_names}
         local.update({f"{k}.{n}": opt[f"{k}.{n}"] for k in ("exp_avg", "exp_avg_sq")
                       for n in self.expert_names})  # fmt: skip
@@ -133,7 +151,42 @@ class CompiledEP:
             out[name] = arr
         return out
 
+    def load_moments(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        """ZeRO-1: the moments this rank owns from this rank's tensors (`local_arrays`);
+        every local tensor's moments must be there (a checkpoint of any layout has them)."""
+        from mindloom_train._step_io import load_params
+
+        want = {f"{k}.{n}" for n in self.names for k in ("exp_avg", "exp_avg_sq")}
+        missing = sorted(want - set(arrays))
+        if missing:
+            raise ck.CheckpointError(f"{where}: checkpoint lacks optimizer tensor "
+                                     f"{missing[0]!r} ({len(missing)} missing)")  # fmt: skip
+        mine = [*self.zero.exp_avg, *self.zero.exp_avg_sq]
+        load_params(mine, {p.name: arrays[p.name] for p in mine}, where)
+
     # ------------------------------------------------------------------ metrics
+
+    def global_sizes(self, sizes: list[int]) -> list[int]:
+        """Per local tensor (the step's order), its values in the whole model."""
+        from mindloom_parallel import is_expert_param
+
+        return [n * self.pcfg.ep if is_expert_param(name) else n
+                for name, n in zip(self.names, sizes)]  # fmt: skip
+
+    def combine_numerics(self, rows: np.ndarray) -> np.ndarray:
+        """TrainStep's numerics rows [tensors, 5] of this rank -> the whole tensors' (host,
+        collective over the ep group): an expert block's squared norms (gradient, weight,
+        update) summed over the ep ranks, its mean |m| and mean sqrt(v) averaged (equal
+        blocks); the dense rows are the same on every rank and kept."""
+        from mindloom_parallel import gather_rows, is_expert_param
+
+        rows = np.asarray(rows, np.float32)
+        every = gather_rows(rows.reshape(-1), self.ep).reshape(self.ep.size, *rows.shape)
+        expert = np.array([is_expert_param(n) for n in self.names])
+        out = rows.astype(np.float64)
+        out[expert, :3] = every[:, expert, :3].astype(np.float64).sum(0)
+        out[expert, 3:] = every[:, expert, 3:].astype(np.float64).mean(0)
+        return out
 
     def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
         from mindloom_parallel import ep_traffic

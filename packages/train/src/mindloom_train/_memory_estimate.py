@@ -117,6 +117,15 @@ def _stage_param_sizes(mcfg, tp: int, pp: int) -> list[list[int]]:
     return stages
 
 
+def _routed_expert_values(mcfg) -> int:
+    """Values of all routed experts (w1, w2, w3 of E experts in every MoE block: the trunk
+    layers from `first_k_dense_replace` on and each MTP depth): what ep splits."""
+    if mcfg.family == "llama" or not mcfg.n_routed_experts:
+        return 0
+    blocks = (mcfg.num_layers - mcfg.first_k_dense_replace) + mcfg.num_nextn_predict_layers
+    return blocks * mcfg.n_routed_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
+
+
 def _zero_max_share(sizes: list[int], dp: int, even: bool) -> int:
     if dp <= 1:
         return sum(sizes)
@@ -130,9 +139,14 @@ def _zero_max_share(sizes: list[int], dp: int, even: bool) -> int:
     return max(load)
 
 
-def _static_bytes(sizes, policy: Policy, dp, zero, accum_micro) -> dict[str, float]:
+def _static_bytes(sizes, policy: Policy, dp, zero, accum_micro, expert: int = 0,
+                  edp: int = 1) -> dict[str, float]:  # fmt: skip
+    """`expert`: the values of `sizes` that are this rank's routed expert blocks (expert
+    parallel), whose ZeRO-1 state splits over the expert-data-parallel group `edp`."""
     n = sum(sizes)
     shard = _zero_max_share(sizes, dp, policy.even_shards) if zero else n
+    if zero and expert:  # dense over dp, the expert blocks over edp (an even split)
+        shard = _zero_max_share([n - expert], dp, True) + _zero_max_share([expert], edp, True)
     per = {"parameters": policy.param, "gradients": policy.grad, "master weights": policy.master,
            "optimizer states": policy.moments}  # fmt: skip
     key = {"parameters": "params", "gradients": "grads", "master weights": "master",
@@ -155,29 +169,34 @@ class _Layout:
     sp: bool
     micro: int
     engine: bool  # the PyNative engine's step (tp, pp or ZeRO-1) rather than the compiled one
+    ep: int = 1  # expert parallel: each rank holds E/ep routed experts
 
 
 def _layout(cfg, mcfg, nproc: int | None) -> _Layout:
     p = cfg.parallelism
     world = nproc or cfg.world_size
     if world == 1:
-        dp = tp = pp = 1  # one process trains the whole model (parallelism needs msrun)
+        dp = tp = pp = ep = 1  # one process trains the whole model (parallelism needs msrun)
         zero, sp = False, False
     else:
         dp, tp, pp, zero, sp = p.dp, p.tp, p.pp, p.zero_stage == 1, p.sequence_parallel
+        ep = p.ep
         if dp * tp * pp != world:
             raise _cfg_error(
                 f"config parallelism: dp*tp*pp = {dp * tp * pp} does not match {world} ranks"
             )
     if mcfg.num_layers % pp:
         raise _cfg_error(f"config parallelism: pp={pp} does not divide {mcfg.num_layers} layers")
+    if ep > 1 and (dp % ep or mcfg.n_routed_experts % ep):
+        raise _cfg_error(f"config parallelism: ep={ep} must divide dp={dp} and the "
+                         f"{mcfg.n_routed_experts} routed experts")  # fmt: skip
     engine = world > 1 and (tp > 1 or pp > 1 or zero)
     if engine and pp == 1 and (not zero or tp == 1) and cfg.context.mode == "graph":
         engine = False  # tp alone, dp + ZeRO-1: compiled steps (_tp_step, _zero_step)
     micro = p.micro_batch_num if (p.micro_batch_num > 1 or pp > 1) else cfg.grad_accum_steps
     if not engine:
         micro = cfg.grad_accum_steps
-    return _Layout(world, dp, tp, pp, zero, sp, micro, engine)
+    return _Layout(world, dp, tp, pp, zero, sp, micro, engine, ep)
 
 
 @dataclass(frozen=True)
@@ -262,7 +281,7 @@ def _layout_json(lay: _Layout, b: int, s: int, mcfg, recomputed, worst: int, cdt
     """The estimate's `layout`: what it assumed about the run."""
     return {
         "world": lay.world, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-        "zero_stage": int(lay.zero), "sequence_parallel": lay.sp,
+        "zero_stage": int(lay.zero), "sequence_parallel": lay.sp, "ep": lay.ep,
         "micro_batch_size": b, "seq_length": s, "micro_batches": lay.micro,
         "recompute": mcfg.recompute, "recompute_layers": sorted(recomputed),
         "most_loaded_stage": worst, "compute_dtype": cdt,
@@ -321,6 +340,16 @@ def estimate(
     policy = Policy(param=_BYTES[mcfg.param_dtype], grad=_BYTES[mcfg.param_dtype])
     b, s = cfg.training.micro_batch_size, cfg.train_dataset.seq_length
     stages = _stage_param_sizes(mcfg, lay.tp, lay.pp)
+    # expert parallel: each rank keeps E/ep routed experts of every MoE block (their
+    # weights, gradients and moments), split like the rest over stages and tp
+    local_expert = [0] * lay.pp
+    if lay.ep > 1:
+        routed = _routed_expert_values(mcfg) / (lay.pp * lay.tp)
+        local_expert = [int(routed / lay.ep)] * lay.pp
+        for st in range(lay.pp):
+            stages[st][0] -= int(routed) - local_expert[st]  # the body holds the experts
+        notes.append(f"ep={lay.ep}: {mcfg.n_routed_experts // lay.ep} of "
+                     f"{mcfg.n_routed_experts} routed experts per rank; activations as ep=1")  # fmt: skip
     inv_dense, inv_moe, n_moe = _block_inventories(mcfg, c, notes)
     recomputed = _recomputed_layers(mcfg)
     cpu_graph = is_cpu and cfg.context.mode == "graph" and not lay.engine
@@ -333,7 +362,8 @@ def estimate(
     stage_act, stage_tot, comps_by_stage = [], [], []
     for st in range(lay.pp):
         act, in_flight = acts.stage(st)
-        comps = _static_bytes(stages[st], policy, lay.dp, lay.zero, lay.micro)
+        comps = _static_bytes(stages[st], policy, lay.dp, lay.zero, lay.micro,
+                              local_expert[st], lay.dp // lay.ep)  # fmt: skip
         comps["activations"] = act
         comps["communication buffers"] = _communication(
             cfg, mcfg, lay, stages[st], policy, act, in_flight, b * s, c

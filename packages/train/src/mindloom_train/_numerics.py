@@ -78,7 +78,8 @@ class NumericsFields:
     def fields(self) -> dict[str, list | float]:
         out: dict[str, list | float] = {}
         if self.rows is not None:
-            out.update(layer_numerics(self.names, self.sizes, self.rows.asnumpy()))
+            rows = self.rows if isinstance(self.rows, np.ndarray) else self.rows.asnumpy()
+            out.update(layer_numerics(self.names, self.sizes, rows))
         if self.logits is not None:
             if isinstance(self.logits, tuple):  # MLALogitStats: (per layer, fraction)
                 per_layer, frac = (x.asnumpy() for x in self.logits)

@@ -125,15 +125,18 @@ class CompiledRunner:
             self.moe_window = MoEWindow(self.moe_parts.n_routers, self.moe_parts.e,
                                         self.mcfg.moe_aux_loss_weight > 0)  # fmt: skip
             eval_net = MoEEvalNet(self.model)
+        zero_cell = self.zero.cell if self.zero is not None else None
+        if self.ep is not None:  # ZeRO-1 under ep: dense over dp, experts over edp
+            zero_cell = self.ep.zero
         self.train_step = _step.TrainStep(
             built.loss_net, weights, flags, self.accum, grad_red, loss_red, moe=self.moe_parts,
-            norm_reducer=norm_red, zero=self.zero.cell if self.zero is not None else None,
+            norm_reducer=norm_red, zero=zero_cell,
         )  # fmt: skip
         if self.tp is not None:
             self.tp.attach(self.train_step, flags)
         if self.ep is not None:
             self.ep.attach(self.train_step)
-        self._init_stats(cfg, built, weights, flags, grad_red, loss_red, log)
+        self._init_stats(cfg, built, weights, flags, grad_red, loss_red, norm_red, log)
         self.accum_step = (
             _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
             if self.accum > 1
@@ -141,12 +144,14 @@ class CompiledRunner:
         )
         self.eval_step = _step.EvalStep(eval_net, eval_red)
 
-    def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, log) -> None:
+    def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, norm_red,
+                    log) -> None:  # fmt: skip
         """monitor.numerics / monitor.max_logits, at log steps only (`NumericsFields.wanted`):
         `stats_step` is a second graph of the same update (the same weights, moments and
         buffers), with the numerics and, for Llama, a loss net that also leaves the
         MaxLogits of its forward in a buffer; DeepSeek-V3's MaxLogits is a forward of its
-        own. Every other step runs the plain `train_step`."""
+        own. Every other step runs the plain `train_step`. Expert parallel: the numerics
+        rows of the expert blocks are combined over the ep group (`_ep_step`)."""
         from mindloom_train import _step
         from mindloom_train._numerics import NumericsFields, logit_stats, loss_with_logit_stats
 
@@ -154,20 +159,25 @@ class CompiledRunner:
         self.numerics = self.stats_step = self.logit_stats = self.logit_buffer = None
         if not (mon.numerics or mon.max_logits):
             return
-        if self.tp is not None or self.ep is not None:  # local shards: not wired yet
-            log("monitor: numerics and max_logits are not computed under tensor or expert "
-                "parallel")  # fmt: skip
+        if self.tp is not None:  # local shards: not wired yet
+            log("monitor: numerics and max_logits are not computed under tensor parallel")
             return
-        if self.zero is not None:  # moments of the owned parameters only: not wired yet
+        if self.zero is not None or (self.ep is not None and self.ep.zero is not None):
+            # moments of the owned parameters only: not wired yet
             log("monitor: numerics and max_logits are not computed under ZeRO-1")
             return
         self.numerics = NumericsFields(weights, mon.log_interval, cfg.training.train_iters)
+        if self.ep is not None:  # each expert row will be the whole tensor's (step())
+            self.numerics.sizes = self.ep.global_sizes(self.numerics.sizes)
         loss_net = built.loss_net
         if mon.max_logits and self.mcfg.family == "llama":
             loss_net = loss_with_logit_stats(built.loss_net, mon.output_logit_bound)
             self.logit_buffer = loss_net.stats
         # DeepSeek-V3 draws MindSpore's stateful dropout masks: a second forward would
         # draw some too and move the training run's masks, so not with dropout there
+        elif mon.max_logits and self.ep is not None:
+            log("monitor: max_logits is not computed under expert parallel (each rank's "
+                "micro-batch differs from one process's last one)")  # fmt: skip
         elif mon.max_logits and not self.mcfg.dropout:
             self.logit_stats = logit_stats(self.model, mon.output_logit_bound)
         elif mon.max_logits:
@@ -175,7 +185,8 @@ class CompiledRunner:
         if mon.numerics or self.logit_buffer is not None:
             self.stats_step = _step.TrainStep(
                 loss_net, weights, flags, self.accum, grad_red, loss_red,
-                moe=self.moe_parts, numerics=mon.numerics, share=self.train_step)  # fmt: skip
+                moe=self.moe_parts, numerics=mon.numerics, share=self.train_step,
+                norm_reducer=norm_red)  # fmt: skip
 
     def _log_step_stats(self, step: int, batch, dkey) -> bool:
         """At a log step: DeepSeek-V3's logit statistics of `batch` (weights before the
@@ -230,6 +241,8 @@ class CompiledRunner:
         )
         if with_numerics and self.cfg.monitor.numerics:  # the last output; read at the record
             *moe_t, self.numerics.rows = moe_t
+            if self.ep is not None:  # every rank is here (a log step): collective over ep
+                self.numerics.rows = self.ep.combine_numerics(self.numerics.rows.asnumpy())
         if with_numerics and self.logit_buffer is not None:
             self.numerics.logits = self.logit_buffer
         if moe_t:
@@ -302,6 +315,8 @@ class CompiledRunner:
         load_params(self.params + self.buffers, weights, where)
         if self.zero is not None:
             return self.zero.load_moments(arrays, self.mcfg)
+        if self.ep is not None and self.ep.zero is not None:
+            return self.ep.load_moments(arrays, where)
         opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
         load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
 

@@ -71,7 +71,9 @@ class Runtime:
         self.compiled_zero = compiled_zero(dims, self.cfg.context.mode)
         self.compiled_ep = compiled_ep(dims)
         self.compiled_pp = compiled_pp(dims, self.cfg.context.mode)
-        self.use_engine = dims.needs_engine and not (self.compiled_tp or self.compiled_zero)
+        self.use_engine = dims.needs_engine and not (
+            self.compiled_tp or self.compiled_zero or self.compiled_ep
+        )
         pcfg = dims.for_steps(self.cfg.grad_accum_steps) if self.use_engine else dims
         try:
             groups = init_parallel(pcfg)

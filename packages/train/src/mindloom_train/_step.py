@@ -162,7 +162,14 @@ class TrainStep(_Base):
             loss, grads, stats = self._grads_moe(
                 tokens, labels, position_ids, segment_ids, loss_mask, scale
             )
+            if self.zero is not None:
+                # ZeRO-1 ranks' graphs differ (each updates other tensors), so every
+                # collective is put in one order: the backward's (ep exchange), the stats'
+                # all-reduce, the gradient buckets, the loss, the norm, the share
+                stats = ops.depend(stats, grads)
             stats = self.moe.finish(stats, hyper[H_NMICRO])
+            if self.zero is not None:
+                grads = self._after(grads, stats)
         else:
             loss, grads = self._grads(
                 tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey
@@ -195,6 +202,8 @@ class TrainStep(_Base):
         if self.zero is None:
             grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         sq = ()
+        if self.zero is not None and self.norm_reducer is not None:
+            grads = self._after(grads, loss)  # the norm's all-reduce after the loss's
         for g in grads:
             flat = g.astype(ms.float32).reshape(1, -1)
             sq = sq + (ops.matmul(flat, flat.T).reshape(()),)
@@ -246,6 +255,13 @@ class TrainStep(_Base):
         if self.numerics:
             return loss, gnorm, ok, stop, self._numerics(loss, sq, inv, before)
         return loss, gnorm, ok, stop
+
+    def _after(self, grads, x):
+        """`grads`, each made to wait for `x` (orders collectives between graphs that differ)."""
+        out = ()
+        for g in grads:
+            out = out + (ops.depend(g, x),)
+        return out
 
     def _numerics(self, loss, sq, inv, before):
         """[n tensors, 5]: NUMERICS of each parameter tensor after this step's update."""

@@ -26,8 +26,9 @@ from mindloom_train import _checkpoint as ck
 
 def compiled_zero(dims, mode: str) -> bool:
     """Whether a layout runs the compiled ZeRO-1 step: zero_stage 1 over dp > 1 without
-    tensor or pipeline parallel, in graph mode (`context.mode: pynative` keeps the engine)."""
-    model_parallel = dims.tp > 1 or dims.pp > 1
+    tensor or pipeline parallel, in graph mode (`context.mode: pynative` keeps the engine).
+    Under expert parallel the ep step shards the state itself (`_ep_step`)."""
+    model_parallel = dims.tp > 1 or dims.pp > 1 or getattr(dims, "ep", 1) > 1
     return dims.zero_stage == 1 and dims.dp > 1 and not model_parallel and mode == "graph"
 
 
