@@ -32,48 +32,6 @@ constexpr int64_t BK = 16;  // keys per tile (two 8-float vectors: RowMask, the 
 constexpr int64_t MR = 4;   // rows of a register tile
 constexpr int64_t NV = 16;  // columns of a register tile
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
-__attribute__((always_inline)) inline v8 load8(const float *p) {
-  return *reinterpret_cast<const v8u *>(p);
-}
-__attribute__((always_inline)) inline void store8(float *p, v8 x) {
-  *reinterpret_cast<v8u *>(p) = x;
-}
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef int32_t v8iu __attribute__((vector_size(32), aligned(4)));
-
-// vexp on 8 lanes (GCC does not vectorise the scalar one inside these kernels' loops):
-// the same range reduction and polynomial; adding 1.5 * 2^23 rounds to the nearest integer
-__attribute__((always_inline)) inline v8 vexp8(v8 x) {
-  x = x < -87.3f ? v8{} - 87.3f : x;
-  x = x > 88.7f ? v8{} + 88.7f : x;
-  const float big = 12582912.f;
-  const v8 n = (x * 1.44269504088896341f + big) - big;
-  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const v8i bits = reinterpret_cast<v8i &>(p) + (__builtin_convertvector(n, v8i) << 23);
-  return reinterpret_cast<const v8 &>(bits);
-}
-
-__attribute__((always_inline)) inline float hmax8(const v8 &x) {
-  float m = x[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, x[i]);
-  return m;
-}
-
-__attribute__((always_inline)) inline float hsum8(const v8 &x) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += x[i];
-  return s;
-}
-
 // which of keys [j0, j0 + 16) query i sees: j <= i and the same document
 struct RowMask {
   v8i lo, hi;

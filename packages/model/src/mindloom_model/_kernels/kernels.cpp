@@ -52,14 +52,24 @@ MINDLOOM_SIMD void rmsnorm_bwd_rows(const float *x, const float *w, const float 
 // ------------------------------------------------------------------------ SwiGLU
 
 MINDLOOM_SIMD void swiglu_fwd_flat(const float *a, const float *b, float *y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = a[i] / (1.f + vexp(-a[i])) * b[i];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 x = load8(a + i);
+    store8(y + i, x / (1.f + vexp8(-x)) * load8(b + i));
+  }
+  for (; i < n; ++i) y[i] = a[i] / (1.f + vexp(-a[i])) * b[i];
 }
 
 MINDLOOM_SIMD void swiglu_bwd_flat(const float *a, const float *b, const float *dy, float *da,
                                    float *db, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 x = load8(a + i), g = load8(dy + i);
+    const v8 s = 1.f / (1.f + vexp8(-x));
+    store8(db + i, g * x * s);
+    store8(da + i, g * load8(b + i) * s * (1.f + x * (1.f - s)));
+  }
+  for (; i < n; ++i) {
     const float s = 1.f / (1.f + vexp(-a[i]));
     db[i] = dy[i] * a[i] * s;
     da[i] = dy[i] * b[i] * s * (1.f + a[i] * (1.f - s));
@@ -75,9 +85,11 @@ MINDLOOM_SIMD void ce_fwd_rows(const float *x, const int32_t *labels, float *nll
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < v; ++j) m = std::max(m, xr[j]);
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < v; ++j) s += vexp(xr[j] - m);
+    v8 acc{};
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8) acc += vexp8(load8(xr + j) - m);
+    float s = hsum8(acc);
+    for (; j < v; ++j) s += vexp(xr[j] - m);
     const float l = m + std::log(s);
     lse[r] = l;
     const int64_t y = std::min<int64_t>(std::max<int32_t>(labels[r], 0), v - 1);
@@ -95,8 +107,9 @@ MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const floa
       std::memset(dr, 0, sizeof(float) * v);
       continue;
     }
-#pragma omp simd
-    for (int64_t j = 0; j < v; ++j) dr[j] = gr * vexp(xr[j] - l);
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8) store8(dr + j, gr * vexp8(load8(xr + j) - l));
+    for (; j < v; ++j) dr[j] = gr * vexp(xr[j] - l);
     const int64_t y = std::min<int64_t>(std::max<int32_t>(labels[r], 0), v - 1);
     dr[y] -= gr;
   }

@@ -200,4 +200,49 @@ inline float vexp(float x) {
   std::memcpy(&p, &bits, sizeof bits);
   return p;
 }
+// 8-float vectors (GCC's vector extension: one AVX register, two SSE ones), for loops the
+// compiler does not vectorise by itself
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));  // unaligned loads/stores
+__attribute__((always_inline)) inline v8 load8(const float *p) {
+  return *reinterpret_cast<const v8u *>(p);
+}
+__attribute__((always_inline)) inline void store8(float *p, v8 x) {
+  *reinterpret_cast<v8u *>(p) = x;
+}
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v8iu __attribute__((vector_size(32), aligned(4)));
+
+// vexp on 8 lanes, the same range reduction and polynomial (adding 1.5 * 2^23 rounds to the
+// nearest integer). GCC does not vectorise loops over the scalar one (its clamps become
+// branches): SwiGLU ran it one element at a time, ~3 ms for the recipe's 768 x 344.
+__attribute__((always_inline)) inline v8 vexp8(v8 x) {
+  x = x < -87.3f ? v8{} - 87.3f : x;
+  x = x > 88.7f ? v8{} + 88.7f : x;
+  const float big = 12582912.f;
+  const v8 n = (x * 1.44269504088896341f + big) - big;
+  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8i bits = reinterpret_cast<v8i &>(p) + (__builtin_convertvector(n, v8i) << 23);
+  return reinterpret_cast<const v8 &>(bits);
+}
+
+__attribute__((always_inline)) inline float hmax8(const v8 &x) {
+  float m = x[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+__attribute__((always_inline)) inline float hsum8(const v8 &x) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += x[i];
+  return s;
+}
+
 }  // namespace mindloom_kernels
