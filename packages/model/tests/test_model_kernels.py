@@ -225,6 +225,77 @@ def test_attention_with_value_width_and_scale_against_numpy(b, s, h, kv, dk, dv,
         np.testing.assert_allclose(mine.asnumpy(), ref, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
+# The attention kernel called through ctypes (MindSpore's AOT signature) in a child
+# process with $MINDLOOM_KERNEL_ISA set: the library picks its AVX-512 / AVX2 / baseline
+# build once per process, so each build needs a process of its own (NumPy only: fast).
+_ISA_CHILD = """
+import ctypes, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+d = np.load(sys.argv[2])
+
+def call(name, arrays):
+    n = len(arrays)
+    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    rc = getattr(lib, name)(
+        n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
+        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
+        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)
+    assert rc == 0, name
+
+q, k, v, seg, scale, g = (d[x] for x in ("q", "k", "v", "seg", "scale", "g"))
+b, s, h, _ = q.shape
+o = np.zeros((b, s, h, v.shape[3]), np.float32)
+lse = np.zeros((b, h, s), np.float32)
+call("mindloom_attn_fwd", [q, k, v, seg, scale, o, lse])
+dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+call("mindloom_attn_bwd", [q, k, v, seg, scale, o, lse, g, dq, dk, dv])
+np.savez(sys.argv[3], o=o, dq=dq, dk=dk, dv=dv)
+"""
+
+
+def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_path):
+    """The tiled kernel (16-query blocks x 16-key tiles, online softmax) at an odd length
+    (S = 70: a partial last block and tile) with documents that start at, just after and
+    between tile boundaries, a one-token document, documents that are not runs of
+    positions, and grouped-query heads with values narrower than the keys: forward and
+    all three gradients against the float64 NumPy reference, once per instruction set
+    the library builds (baseline SSE2, AVX2 + FMA, AVX-512; one the CPU lacks runs the
+    best it has). Plants: no rescale of the output when a tile raises a row's maximum;
+    the segment test dropped in a tile's second half (see the package README)."""
+    import subprocess
+    import sys
+
+    b, s, h, kv, dk, dv, scale = 4, 70, 4, 2, 20, 12, 0.4
+    seg = np.zeros((b, s), np.int32)
+    for c in (16, 17, 40):  # a tile boundary, a one-token document, mid-tile
+        seg[0, c:] += 1
+    seg[2] = (np.arange(s) // 9) % 2  # two documents interleaved in runs of 9
+    seg[3, 5:] = 1
+    seg[3, 33:] = 2
+    data = np.random.default_rng(3)
+    arrays = dict(
+        q=data.standard_normal((b, s, h, dk)).astype(np.float32),
+        k=data.standard_normal((b, s, kv, dk)).astype(np.float32),
+        v=data.standard_normal((b, s, kv, dv)).astype(np.float32),
+        seg=seg,
+        scale=np.array([scale], np.float32),
+        g=data.standard_normal((b, s, h, dv)).astype(np.float32),
+    )
+    np.savez(tmp_path / "in.npz", **arrays)
+    want = numpy_attention(arrays["q"], arrays["k"], arrays["v"], seg, scale, arrays["g"])
+    for isa in ("base", "avx2", "avx512"):
+        out = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MINDLOOM_KERNEL_ISA=isa)
+        subprocess.run([sys.executable, "-c", _ISA_CHILD, str(K.library_path()),
+                        str(tmp_path / "in.npz"), str(out)], env=env, check=True,
+                       timeout=120)  # fmt: skip
+        got = np.load(out)
+        for name, ref in zip(("o", "dq", "dk", "dv"), want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=2e-5,
+                                       err_msg=f"{isa}: {name}")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- whole model
 
 
