@@ -349,6 +349,20 @@ bool attn_dims(int nparam, void **params, int *ndims, int64_t **shapes, AttnDims
   return shapes[3][1] == a->s && (a->seg_b == 1 || a->seg_b == a->b);
 }
 
+// the pointers both entry points share: q, k, v, seg, (scale,) o, lse
+AttnArgs attn_args(void **params, const AttnDims &a, std::atomic<int64_t> *next) {
+  AttnArgs c{};
+  c.q = static_cast<float *>(params[0]);
+  c.k = static_cast<float *>(params[1]);
+  c.v = static_cast<float *>(params[2]);
+  c.seg = static_cast<int32_t *>(params[3]);
+  c.o = static_cast<float *>(params[5]);
+  c.lse = static_cast<float *>(params[6]);
+  c.a = a;
+  c.next = next;
+  return c;
+}
+
 }  // namespace
 
 using namespace mindloom_kernels;
@@ -360,15 +374,7 @@ EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **sh
   if (nparam != 7 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   static const AttnFn fwd = pick_attn_fwd();
   std::atomic<int64_t> next{0};
-  AttnArgs c{};
-  c.q = static_cast<float *>(params[0]);
-  c.k = static_cast<float *>(params[1]);
-  c.v = static_cast<float *>(params[2]);
-  c.seg = static_cast<int32_t *>(params[3]);
-  c.o = static_cast<float *>(params[5]);
-  c.lse = static_cast<float *>(params[6]);
-  c.a = a;
-  c.next = &next;
+  const AttnArgs c = attn_args(params, a, &next);
   Pool::get().run([&](int, int) { fwd(c); });
   return 0;
 }
@@ -380,19 +386,11 @@ EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **sh
   if (nparam != 11 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
   static const AttnFn bwd = pick_attn_bwd();
   std::atomic<int64_t> next{0};
-  AttnArgs c{};
-  c.q = static_cast<float *>(params[0]);
-  c.k = static_cast<float *>(params[1]);
-  c.v = static_cast<float *>(params[2]);
-  c.seg = static_cast<int32_t *>(params[3]);
-  c.o = static_cast<float *>(params[5]);
-  c.lse = static_cast<float *>(params[6]);
+  AttnArgs c = attn_args(params, a, &next);
   c.dout = static_cast<float *>(params[7]);
   c.dq = static_cast<float *>(params[8]);
   c.dk = static_cast<float *>(params[9]);
   c.dv = static_cast<float *>(params[10]);
-  c.a = a;
-  c.next = &next;
   Pool::get().run([&](int, int) { bwd(c); });
   return 0;
 }

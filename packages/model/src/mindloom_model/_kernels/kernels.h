@@ -181,19 +181,26 @@ void parallel_rows(int64_t n, Body body) {
   });
 }
 
-// exp(x) in fp32 to ~2 ulp, written so loops over it vectorise (the libm call does not
-// without -ffast-math): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2 (Cephes' polynomial).
-inline float vexp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(x) / 2^n for x = n ln2 + r, |r| <= ln2/2: Cephes' polynomial in r (ln2 split in two
+// for the reduction). One definition for a float and for 8 lanes (vexp, vexp8).
+template <class T>
+__attribute__((always_inline)) inline T exp_reduced(T x, T n) {
+  const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  return p * r * r + r + 1.f;
+}
+
+// exp(x) in fp32 to ~2 ulp, written so loops over it vectorise (the libm call does not
+// without -ffast-math): 2^n * p(r), x = n ln2 + r, |r| <= ln2/2 (Cephes' polynomial).
+inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float p = exp_reduced(x, n);
   int32_t bits;
   std::memcpy(&bits, &p, sizeof bits);
   bits += static_cast<int32_t>(n) << 23;
@@ -221,14 +228,7 @@ __attribute__((always_inline)) inline v8 vexp8(v8 x) {
   x = x > 88.7f ? v8{} + 88.7f : x;
   const float big = 12582912.f;
   const v8 n = (x * 1.44269504088896341f + big) - big;
-  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
+  v8 p = exp_reduced(x, n);
   const v8i bits = reinterpret_cast<v8i &>(p) + (__builtin_convertvector(n, v8i) << 23);
   return reinterpret_cast<const v8 &>(bits);
 }
