@@ -13,14 +13,9 @@ so pytest-xdist runs the two launches at once.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # msrun_checks, parallel_worker
-from msrun_checks import W, check_layout, launch_layouts, shared_reference  # noqa: E402
+from msrun_checks import W, check_layout, launch_layouts
 
 pytestmark = pytest.mark.msrun
 
@@ -34,11 +29,6 @@ TWO_WORKER_EXTRA = ["tp2_mlp_compiled"]
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return tmp_path_factory.mktemp("parallel")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    yield from shared_reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

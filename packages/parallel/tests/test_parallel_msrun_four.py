@@ -9,14 +9,9 @@ graphs; every check here shares it. Each layout is compared with the one-process
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # msrun_checks, parallel_worker
-from msrun_checks import check_layout, launch_two_nodes, shared_reference  # noqa: E402
+from msrun_checks import check_layout, launch_two_nodes
 
 pytestmark = pytest.mark.msrun
 
@@ -28,11 +23,6 @@ FOUR_WORKER_LAYOUTS = ["dp2_tp2", "dp2_pp2", "tp2_pp2_sp", "dp2_tp2_compiled",
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return tmp_path_factory.mktemp("parallel_four")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    yield from shared_reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

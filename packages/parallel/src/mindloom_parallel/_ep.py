@@ -247,7 +247,7 @@ class EPZeroShardUpdate(nn.Cell):
         """Host side, collective over dp (and edp): every LOCAL tensor's moments (the dense
         ones whole, this rank's expert blocks), keyed ``exp_avg.<name>`` as the step's;
         each shard's owners contribute their moments and the others zeros (exact)."""
-        from mindloom_parallel._comm import all_reduce
+        from mindloom_parallel._zero import sum_over_group
 
         out = {}
         for cell, group in ((self.dense, self.groups[0]), (self.expert, self.groups[1])):
@@ -255,11 +255,8 @@ class EPZeroShardUpdate(nn.Cell):
                 continue
             for kind, mine in (("exp_avg", cell.exp_avg), ("exp_avg_sq", cell.exp_avg_sq)):
                 own = {cell.owned[k]: mine[k].asnumpy() for k in range(len(cell.owned))}
-                flat = np.concatenate([own[i].reshape(-1) if i in own else np.zeros(n, np.float32)
-                                       for i, n in enumerate(cell.sizes)])  # fmt: skip
-                if group.size > 1:
-                    flat = all_reduce(ms.Tensor(flat), group, timed=False).asnumpy()
-                for i, piece in enumerate(np.split(flat, np.cumsum(cell.sizes)[:-1])):
-                    name = cell.params[i].name
-                    out[f"{kind}.{name}"] = piece.reshape(cell.shapes[i])
+                parts = [own[i] if i in own else np.zeros(cell.shapes[i], np.float32)
+                         for i in range(len(cell.sizes))]  # fmt: skip
+                for p, arr in zip(cell.params, sum_over_group(parts, group)):
+                    out[f"{kind}.{p.name}"] = arr
         return out

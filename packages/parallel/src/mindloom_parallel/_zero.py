@@ -48,6 +48,24 @@ def adamw_scalars(
     return lr * math.sqrt(bc2) / bc1, eps * math.sqrt(bc2), weight_decay * bc1 / math.sqrt(bc2)
 
 
+def sum_over_group(arrays: list[np.ndarray], group) -> list[np.ndarray]:
+    """Host side, collective over ``group``: each float32 array summed over the group's
+    ranks, all in one untimed all-reduce (none for a group of one). With the owner giving
+    its moments and every other rank zeros, the sum is the owner's bytes exactly."""
+    from mindspore import Tensor
+
+    from mindloom_parallel._comm import all_reduce
+
+    flat = np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in arrays])
+    if group.size > 1:
+        flat = all_reduce(Tensor(flat), group, timed=False).asnumpy()
+    out, off = [], 0
+    for a in arrays:
+        out.append(flat[off : off + a.size].reshape(a.shape))
+        off += a.size
+    return out
+
+
 def gather_rows(values, group) -> np.ndarray:
     """Every rank's row of float32 ``values`` in group order, [group.size, len(values)]
     (an untimed all-gather: bookkeeping, not the step's communication)."""
@@ -206,19 +224,11 @@ class ZeroAdamW:
     def gather_moments(self) -> dict[str, np.ndarray]:
         """The full moments of this rank's local parameters (collective over dp):
         ``{"exp_avg.<name>": ..., "exp_avg_sq.<name>": ...}``."""
-        from mindspore import Tensor
-
-        from mindloom_parallel._comm import all_reduce
-
         m, v = self.local_moments()
         out = {}
         for prefix, part in (("exp_avg.", m), ("exp_avg_sq.", v)):
-            flat = np.concatenate([part[n].reshape(-1) for n in self.names])
-            full = all_reduce(Tensor(flat), self.groups.dp, timed=False).asnumpy()
-            off = 0
-            for n, k, p in zip(self.names, self.sizes, self.params):
-                out[prefix + n] = full[off : off + k].reshape(p.shape)
-                off += k
+            summed = sum_over_group([part[n] for n in self.names], self.groups.dp)
+            out.update({prefix + n: arr for n, arr in zip(self.names, summed)})
         return out
 
     def load_moments(self, tensors: dict[str, np.ndarray], model_cfg, pcfg) -> None:
