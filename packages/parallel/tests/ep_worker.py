@@ -160,7 +160,7 @@ def reference(out: Path) -> None:
     fb = FB()
     opt = AdamW(params)
     biases = [r.expert_bias for r in moe_routers(model)]
-    rec = {"loss": [], "stats": [], "loads": []}
+    rec = {"loss": [], "stats": [], "loads": [], "biases": []}
     for b in batches(cfg.vocab_size):
         loss, stats, acc = 0.0, None, None
         for j in range(N_MICRO):
@@ -178,6 +178,7 @@ def reference(out: Path) -> None:
         rec["loss"].append(loss)
         rec["stats"].append(st[:4].tolist())
         rec["loads"].append(loads.tolist())
+        rec["biases"].append([bias.asnumpy().tolist() for bias in biases])
     np.savez(out / "reference.npz", **_state(model))
     np.savez(out / "reference_moments.npz", **{p.name: p.asnumpy() for p in (*opt.m, *opt.v)})
     (out / "reference.json").write_text(json.dumps(rec))

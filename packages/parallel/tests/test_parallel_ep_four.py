@@ -108,9 +108,11 @@ def test_losses_and_expert_loads_equal_one_process(layout, runs):
         for step in range(W.STEPS):
             # the global batch's token-slots per expert at this rank's routers, exactly
             assert r["loads"][step] == [ref["loads"][step][i] for i in rows], (layout, rank, step)
-    # the biases moved every step (the plant 'MTP router's bias not updated' fails here)
-    ref_w = np.load(runs["ref_dir"] / "reference.npz")
-    assert all(np.abs(ref_w[k]).max() > 0 for k in ref_w.files if k.endswith("expert_bias"))
+    # every router's bias moved (an untrained router's scores differ by less than one
+    # bias step, so the biases steer the routing: the loads above cover the update; a
+    # bias can swing back to 0, hence 'at some step')
+    moved = np.abs(np.array(ref["biases"])).max(axis=(0, 2))
+    assert moved.shape == (3,) and (moved > 0).all(), moved
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
