@@ -177,6 +177,10 @@ class MoEPipelineGraph:
         self.model = model
         self.routers = [layer.mlp.gate for layer in model.layers if layer.is_moe]
         self.routers += [mod.block.mlp.gate for mod in model.mtp if mod.block.is_moe]
+        want = stage_routers(cfg, pcfg.pp, groups.pp_rank)
+        if len(self.routers) != want:  # the cut (trunk MoE layers, MTP on the last stage)
+            raise ValueError(f"pipeline stage {groups.pp_rank} holds {len(self.routers)} "
+                             f"routers, DeepSeek-V3's layout gives it {want}")  # fmt: skip
         self.biases = [r.expert_bias for r in self.routers]
         n_micro = pcfg.micro_batch_num * pcfg.dp  # micro-batches of the global batch
         self.stage = _MoEStage(DeepseekV3WithLoss(model), first, last, 1.0 / n_micro)
