@@ -313,6 +313,19 @@ class DeepseekV3WithLoss(nn.Cell):
     def construct(self, tokens, labels, position_ids=None, segment_ids=None, loss_mask=None):
         m = self.model
         h, cos, sin, bias, loads, dropped, aux = m.trunk(tokens, position_ids, segment_ids)
+        main, mtp, mtp_loads, drop, a = self.head_losses(h, cos, sin, bias, tokens, labels,
+                                                         segment_ids, loss_mask)  # fmt: skip
+        aux = aux + a
+        loss = main + self.mtp_weight * mtp + aux
+        if mtp_loads is not None:
+            loads = ops.concat((loads, mtp_loads), 0)
+        return loss, main, mtp, aux, loads, dropped + drop
+
+    def head_losses(self, h, cos, sin, bias, tokens, labels, segment_ids=None, loss_mask=None):
+        """The part after the trunk (a pipeline's last stage runs it on the hidden state it
+        receives): h [B, S, D] -> (main CE, MTP loss (mean over depths), MTP loads
+        [depths, E] or None without MTP MoE blocks, MTP dropped slots, MTP balance loss)."""
+        m = self.model
         # the fused cross-entropy kernel when the model has one (llama_loss picks)
         main = llama_loss(m, m.head(m.norm(h)), labels, loss_mask)
         mask = (
@@ -322,7 +335,9 @@ class DeepseekV3WithLoss(nn.Cell):
         )
         seg = ops.zeros(labels.shape, ms.int32) if segment_ids is None else segment_ids
         mtp_total = ops.zeros((), ms.float32)
-        all_loads = [loads]
+        dropped = ops.zeros((), ms.float32)
+        aux = ops.zeros((), ms.float32)
+        all_loads = []
         prev = m.norm(h)  # the main model's output hidden state (vLLM's MTP reads it normed)
         j = 0
         for mod in m.mtp:
@@ -337,8 +352,7 @@ class DeepseekV3WithLoss(nn.Cell):
             mtp_total = mtp_total + llama_loss(m, m.head(mod.norm(hj)), nxt_labels, valid)
             prev = mod.norm(hj)
         mtp = mtp_total / max(self.depths, 1)
-        loss = main + self.mtp_weight * mtp + aux
-        return loss, main, mtp, aux, ops.concat(all_loads, 0), dropped
+        return main, mtp, (ops.concat(all_loads, 0) if all_loads else None), dropped, aux
 
 
 def __getattr__(name: str):

@@ -1,0 +1,265 @@
+"""Pipeline parallel for DeepSeek-V3 (MoE, multi-token prediction), with expert parallel
+inside data parallel, as compiled stage graphs; the 1F1B schedule stays in Python.
+
+``MoEPipelineGraph`` is ``PipelineGraph``'s scheme (``_pp_graph``) for a
+``mindloom_model.DeepseekV3``:
+
+- the stage: the model cut to this stage's layers (``deepseek_stage``; names stay global).
+  The first stage embeds the tokens; the last runs the final norm, the head, the main loss
+  and the multi-token-prediction (MTP) blocks, which read the embedding too: the last stage
+  keeps a copy of ``embed`` whose gradient is summed with the first stage's over the
+  ``embed`` group (first + last stage of one data-parallel replica), as tied embeddings;
+- its output: (hidden state, or on the last stage (main + w * MTP) / micro-batches; this
+  stage's balance losses / micro-batches; the stats vector [main, MTP, balance, dropped,
+  loads of this stage's routers]). The backward graph (``ms.vjp``, the forward recomputed
+  as in ``PipelineGraph``) feeds (the incoming activation gradient, 1, 0): every stage's
+  balance loss gets its gradient where its router lives, without crossing stages;
+- expert parallel: ``expert_parallel`` splits this stage's MoE layers (trunk and MTP) over
+  the ep group (the exchange inside the stage graphs); dense gradients are summed over dp,
+  expert blocks over the expert-data-parallel group (the loss is already divided by the
+  global batch's micro-batches, so no further 1/dp);
+- the balancing bias of a router moves by the loads of the whole global batch: this stage's
+  stats are summed over its data-parallel group (the ranks of the same stage, which see
+  every token of the batch at this stage's routers), never over the pipeline (another
+  stage's routers) or only the ep group (part of the batch when dp > ep).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from mindloom_parallel._comm import all_reduce
+from mindloom_parallel._dp import GradReducer
+from mindloom_parallel._engine import StageQueues
+from mindloom_parallel._ep import (
+    EPGradReducer,
+    expert_parallel,
+    init_expert_groups,
+    is_expert_param,
+)
+from mindloom_parallel._pp import one_f_one_b, stage_layers
+
+__all__ = ["MoEPipelineGraph", "deepseek_stage", "moe_bias_step", "stage_routers"]
+
+N_HEAD = 4  # stats: main, mtp, balance (weighted, as in the loss), dropped
+
+
+def stage_routers(cfg, pp: int, stage: int) -> int:
+    """How many routers (trunk MoE layers, then the MTP blocks on the last stage) a stage has."""
+    if cfg.n_routed_experts <= 0:
+        return 0
+    # DeepSeek-V3's rule: layers from first_k_dense_replace on are MoE
+    n = sum(1 for i in stage_layers(cfg.num_layers, pp, stage) if i >= cfg.first_k_dense_replace)
+    return n + (cfg.num_nextn_predict_layers if stage == pp - 1 else 0)
+
+
+def deepseek_stage(model, layer_ids, first: bool, last: bool):
+    """Cut a ``DeepseekV3`` in place to one pipeline stage (global names kept): the layers
+    ``layer_ids``; ``embed`` on the first stage and on the last when the MTP blocks or a
+    tied head read it; the final norm, head and MTP blocks on the last. Returns it."""
+    if not first and not (last and (model.tie_embeddings or len(model.mtp) > 0)):
+        model.embed = None
+        model.embed_dropout = None
+    if not last:
+        model.norm = None
+        if not model.tie_embeddings:
+            model.lm_head = None
+        model.mtp = nn.CellList([])
+    model.layers = nn.SequentialCell(OrderedDict((str(i), model.layers[i]) for i in layer_ids))
+    for name, p in model.parameters_and_names():
+        p.name = name  # global module paths, unique for graph mode
+    return model
+
+
+def moe_bias_step(biases, loads: np.ndarray, speed: float) -> None:
+    """b_e += speed * sign(mean(load) - load_e) per router (``loads`` [R, E] token-slots of
+    the whole global batch), in place (``ops.assign``: compiled graphs keep reading them);
+    the sign as the trainer's in-graph rule, sum - E * load in exact integers."""
+    loads = np.asarray(loads, np.float32).reshape(len(biases), -1)
+    e = loads.shape[1]
+    for b, load in zip(biases, loads):
+        step = np.sign(load.sum() - e * load).astype(np.float32) * np.float32(speed)
+        ops.assign(b, Tensor((b.asnumpy() + step).astype(np.float32)))
+
+
+class _MoEStage(nn.Cell):
+    def __init__(self, net, first: bool, last: bool, scale: float):
+        super().__init__(auto_prefix=False)
+        self.net, self.model = net, net.model
+        self.first, self.last, self.scale = first, last, scale
+        self.w = net.mtp_weight
+
+    def construct(self, x, pos, seg, tokens, labels, mask):
+        m = self.model
+        cos, sin, bias = m.attention_inputs(pos, seg)
+        if self.first:
+            x = m.embed(x)
+        loads = []
+        aux = ops.zeros((), ms.float32)
+        dropped = ops.zeros((), ms.float32)
+        for layer in m.layers:
+            x, load, drop, a = layer(x, cos, sin, bias)
+            if layer.is_moe:
+                loads.append(load)
+                dropped = dropped + drop
+                aux = aux + a
+        main = ops.zeros((), ms.float32)
+        mtp = ops.zeros((), ms.float32)
+        if self.last:
+            main, mtp, mtp_loads, drop, a = self.net.head_losses(x, cos, sin, bias, tokens,
+                                                                 labels, seg, mask)  # fmt: skip
+            if mtp_loads is not None:
+                loads.append(mtp_loads.reshape(-1))
+            dropped = dropped + drop
+            aux = aux + a
+            x = (main + self.w * mtp) * self.scale
+        stats = ops.stack((main, mtp, aux, dropped))
+        for ld in loads:
+            stats = ops.concat((stats, ld.reshape(-1).astype(ms.float32)))
+        return x, aux * self.scale, ops.stop_gradient(stats.astype(ms.float32))
+
+
+class _Forward(nn.Cell):
+    def __init__(self, stage):
+        super().__init__(auto_prefix=False)
+        self.stage = stage
+
+    @ms.jit
+    def construct(self, x, pos, seg, tokens, labels, mask):
+        return self.stage(x, pos, seg, tokens, labels, mask)[0]
+
+
+class _Backward(nn.Cell):
+    """Recomputed forward and backward of one micro-batch -> (stats, input gradient,
+    ``acc`` + the weight gradients in fp32): a pure function, as ``_pp_graph``'s."""
+
+    def __init__(self, stage, weights, first: bool):
+        super().__init__(auto_prefix=False)
+        self.stage, self.weights, self.first = stage, weights, first
+
+    @ms.jit
+    def construct(self, x, pos, seg, tokens, labels, mask, dy, acc):
+        out, vjp_fn = ms.vjp(self.stage, x, pos, seg, tokens, labels, mask, weights=self.weights)
+        sens = (dy, ops.ones((), ms.float32), ops.zeros_like(out[2]))
+        in_grads, wgrads = vjp_fn(sens)
+        dx = ops.zeros((), ms.float32) if self.first else in_grads[0]
+        new = ()
+        for i in range(len(wgrads)):
+            g = wgrads[i].astype(ms.float32)
+            new = new + (acc[i] + g,)
+        return out[2], dx, new
+
+
+class MoEPipelineGraph:
+    """One rank's stage of a DeepSeek-V3 under pp (x dp, ep inside dp; tp = 1): the model is
+    cut and its experts split in place. ``step(batch)`` runs 1F1B over this data-parallel
+    rank's ``micro_batch_size * micro_batch_num`` samples and returns the global loss and
+    stats; ``grads`` are reduced (dense over dp, experts over edp, embed over first + last
+    stage); the caller applies its optimizer and then ``update_bias()``."""
+
+    def __init__(self, model, pcfg, groups, micro_batch_size: int):
+        from mindloom_model import DeepseekV3WithLoss
+
+        cfg = model.config
+        if pcfg.tp != 1:
+            raise ValueError(f"MoEPipelineGraph runs tp = 1 (got tp = {pcfg.tp})")
+        self.cfg, self.pcfg, self.groups = cfg, pcfg, groups
+        self.micro_batch_size = micro_batch_size
+        first, last = groups.is_first_stage, groups.is_last_stage
+        self.layer_ids = stage_layers(cfg.num_layers, pcfg.pp, groups.pp_rank)
+        deepseek_stage(model, self.layer_ids, first, last)
+        self.ep, self.edp = init_expert_groups(groups.rank, pcfg)
+        expert_parallel(model, self.ep)
+        self.model = model
+        self.routers = [layer.mlp.gate for layer in model.layers if layer.is_moe]
+        self.routers += [mod.block.mlp.gate for mod in model.mtp if mod.block.is_moe]
+        want = stage_routers(cfg, pcfg.pp, groups.pp_rank)
+        if len(self.routers) != want:  # the cut (trunk MoE layers, MTP on the last stage)
+            raise ValueError(f"pipeline stage {groups.pp_rank} holds {len(self.routers)} "
+                             f"routers, DeepSeek-V3's layout gives it {want}")  # fmt: skip
+        self.biases = [r.expert_bias for r in self.routers]
+        n_micro = pcfg.micro_batch_num * pcfg.dp  # micro-batches of the global batch
+        self.stage = _MoEStage(DeepseekV3WithLoss(model), first, last, 1.0 / n_micro)
+        self.params = list(model.trainable_params())
+        self.param_names = [p.name for p in self.params]
+        dense = [p for p in self.params if not is_expert_param(p.name)]
+        self.reducer = EPGradReducer(self.param_names, 1, self.edp,
+                                     GradReducer(dense, groups.dp, pcfg.bucket_size_mb))  # fmt: skip
+        self._embed_idx = [i for i, n in enumerate(self.param_names)
+                           if n == "embed.weight" and pcfg.pp > 1]  # fmt: skip
+        self._fwd = _Forward(self.stage)
+        self._bwd = _Backward(self.stage, ms.ParameterTuple(self.params), first)
+        self.last_loads = None
+
+    def _micro(self, batch: dict, i: int) -> dict:
+        b = self.micro_batch_size
+        sl = slice(i * b, (i + 1) * b)
+        tokens = batch["tokens"][sl]
+        s = tokens.shape[1]
+        pos = batch.get("position_ids")
+        pos = np.broadcast_to(np.arange(s), tokens.shape) if pos is None else pos[sl]
+        seg = batch.get("segment_ids")
+        seg = np.zeros(tokens.shape, np.int32) if seg is None else seg[sl]
+        mask = batch.get("loss_mask")
+        mask = np.ones(tokens.shape, np.float32) if mask is None else mask[sl]
+
+        def t(a, dt):
+            return Tensor(np.ascontiguousarray(a, dtype=dt))
+
+        return {"tokens": t(tokens, np.int32), "pos": t(pos, np.int32), "seg": t(seg, np.int32),
+                "labels": t(batch["labels"][sl], np.int32), "mask": t(mask, np.float32)}  # fmt: skip
+
+    def step(self, batch: dict):
+        """-> (loss, stats [main, MTP, balance, dropped] summed over the global batch's
+        micro-batches, this stage's loads [R_stage, E] of the global batch, grads)."""
+        g, pcfg = self.groups, self.pcfg
+        nmb = pcfg.micro_batch_num
+        micro = [self._micro(batch, i) for i in range(nmb)]
+        shape = (self.micro_batch_size, micro[0]["tokens"].shape[1], self.cfg.hidden_size)
+        q = StageQueues(g, shape, self.model.compute_dtype)
+        first, last = g.is_first_stage, g.is_last_stage
+        # the running gradient sum starts at zeros: one backward graph for every call
+        acc = ms.mutable(tuple(ops.zeros(p.shape, ms.float32) for p in self.params))
+        inputs, stats = {}, None
+        one = ops.ones((), ms.float32)
+        for act in one_f_one_b(g.pp_rank, pcfg.pp, nmb):
+            if act[0] == "fwd":
+                i = act[1]
+                mb = micro[i]
+                x = mb["tokens"] if first else q.pending_in.pop(0)
+                inputs[i] = x
+                if not last:  # the last stage's forward runs inside its backward
+                    q.outputs.append(self._fwd(x, mb["pos"], mb["seg"], mb["tokens"],
+                                               mb["labels"], mb["mask"]))  # fmt: skip
+            elif act[0] == "bwd":
+                i = act[1]
+                mb = micro[i]
+                dy = one if last else q.pending_grad.pop(0)
+                acc = ms.mutable(tuple(acc))  # a plain tuple input is a graph constant
+                st, dx, acc = self._bwd(inputs.pop(i), mb["pos"], mb["seg"], mb["tokens"],
+                                        mb["labels"], mb["mask"], dy, acc)  # fmt: skip
+                stats = st if stats is None else stats + st
+                if not first:
+                    q.input_grads.append(dx)
+            else:
+                q.communicate(act[0])
+        grads = list(acc)
+        for i in self._embed_idx:  # the MTP blocks' use of the embedding, on the last stage
+            grads[i] = all_reduce(grads[i], g.embed, timed=False)
+        grads = self.reducer(tuple(grads))
+        # the global batch at this stage's routers: summed over the stage's dp ranks
+        stats = all_reduce(stats, g.dp, timed=False).asnumpy().astype(np.float64)
+        head = all_reduce(Tensor(stats[:N_HEAD].astype(np.float32)), g.pp, timed=False)
+        head = head.asnumpy().astype(np.float64)
+        self.last_loads = stats[N_HEAD:].reshape(len(self.routers), -1)
+        loss = (head[0] + self.stage.w * head[1] + head[2]) / (nmb * pcfg.dp)
+        return float(loss), head, self.last_loads, grads
+
+    def update_bias(self) -> None:
+        """After the optimizer step: every router of this stage moves by the global loads."""
+        if self.biases:
+            moe_bias_step(self.biases, self.last_loads, self.cfg.moe_bias_update_speed)
