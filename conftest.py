@@ -19,6 +19,7 @@ FILE_SECONDS = {
     "test_train_nanogpt_recipe.py": 26, "test_train_async_save.py": 23,
     "test_train_golden.py": 19, "test_train_dropout.py": 17,
     "test_train_adamw_reference.py": 14,
+    "test_parallel_ep_four.py": 220,  # opt-in (slow)
     "test_parallel_msrun_four.py": 160, "test_parallel_msrun.py": 150,
     "test_parallel_launch.py": 90, "test_parallel_stage.py": 12,
     "test_model_deepseek.py": 58, "test_model_kernels.py": 33, "test_model_train.py": 23,
@@ -45,9 +46,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_protocol(item, nextitem):
     """MINDLOOM_TEST_CPU=FILE: append one line per test -- node id, CPU seconds (this
-    process plus the child processes it waited for: CLI runs, msrun workers) and wall
-    seconds -- so the suite's cost can be read per test on a machine where wall time is
-    distorted by other load (docs/testing.md)."""
+    process plus the child processes it waited for: CLI runs, msrun workers), wall
+    seconds, the time it ended (Unix seconds) and the xdist worker -- so the suite's cost
+    can be read per test on a machine where wall time is distorted by other load, and the
+    gaps where a worker sat idle found (docs/testing.md)."""
     path = os.environ.get("MINDLOOM_TEST_CPU")
     if not path:
         return None
@@ -66,5 +68,7 @@ def pytest_runtest_protocol(item, nextitem):
     runtestprotocol(item, nextitem=nextitem)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"{item.nodeid}\t{cpu() - c0:.2f}\t{time.perf_counter() - w0:.2f}\n")
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        f.write(f"{item.nodeid}\t{cpu() - c0:.2f}\t{time.perf_counter() - w0:.2f}"
+                f"\t{time.time():.2f}\t{worker}\n")  # fmt: skip
     return True

@@ -33,7 +33,10 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import ep_worker as W  # noqa: E402
 
-pytestmark = pytest.mark.msrun
+# opt-in (`./dev test --slow`, docs/testing.md): ~300 CPU-s of compiles for layouts the trainer
+# does not run yet (pp + ep is refused by `mindloom train`); it joins the default suite, in
+# a shared launch, when the trainer wires pp + ep
+pytestmark = [pytest.mark.msrun, pytest.mark.slow]
 
 LAYOUTS = ["pp2_ep2", "dp4_ep2_zero1"]
 ROUTERS = {"pp2_ep2": {0: [0], 1: [1, 2]}, "dp4_ep2_zero1": {0: [0, 1, 2]}}  # stage -> rows
