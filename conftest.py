@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import os
 
-# Seconds of test time per file in a fresh-clone run (CI21, session 12; the split msrun
-# files estimated from their launches), for the files worth more than ~10 s. pytest-xdist
+# Seconds of test time per file in a fresh-clone run (CI24, session 14, wall seconds from
+# MINDLOOM_TEST_CPU), for the files worth more than ~10 s. Wall, not CPU: a file that mostly
+# waits (signals, timeouts) holds its xdist worker as long as one that computes. pytest-xdist
 # (`--dist loadfile`) hands whole files to its workers in collection order, so the
 # longest go first: the file that ends the suite is then a short one, not a 4-minute
 # launch that started last while the other worker sat idle.
 FILE_SECONDS = {
-    "test_train_expert_parallel.py": 224, "test_train_parallel_launch.py": 219,
-    "test_train_deepseek.py": 147, "test_train_launch_signals.py": 124,
-    "test_train_health.py": 121, "test_train_compile_cache.py": 95,
-    "test_train_reliability.py": 79, "test_train_hang.py": 67, "test_train_memory.py": 61,
-    "test_train_precision.py": 57, "test_train_cli.py": 54, "test_train_loop.py": 50,
-    "test_train_numerics.py": 34, "test_train_faults.py": 26,
-    "test_train_nanogpt_recipe.py": 26, "test_train_async_save.py": 23,
-    "test_train_golden.py": 19, "test_train_dropout.py": 17,
-    "test_train_adamw_reference.py": 14,
     "test_parallel_ep_four.py": 220,  # opt-in (slow)
-    "test_parallel_msrun_four.py": 160, "test_parallel_msrun.py": 150,
-    "test_parallel_launch.py": 90, "test_parallel_stage.py": 12,
-    "test_model_deepseek.py": 58, "test_model_kernels.py": 33, "test_model_train.py": 23,
-    "test_model_compile_cache.py": 18, "test_model_generate.py": 17,
-    "test_model_dropout.py": 16,
-    "test_data_ray.py": 18, "test_data_megatron_interop.py": 18,
-    "test_data_ray_cluster.py": 16, "test_data_metadata.py": 15,
-    "test_pipeline.py": 34, "test_packaging.py": 10,
+    "test_train_launch_signals.py": 176, "test_train_expert_parallel.py": 167,
+    "test_train_parallel_launch.py": 161, "test_parallel_msrun_four.py": 130,
+    "test_parallel_msrun.py": 109, "test_parallel_launch.py": 101,
+    "test_train_deepseek.py": 100, "test_train_health.py": 94, "test_train_loop.py": 74,
+    "test_train_reliability.py": 62, "test_train_compile_cache.py": 60,
+    "test_train_cli.py": 56, "test_train_hang.py": 52, "test_train_memory.py": 49,
+    "test_model_deepseek.py": 47, "test_train_precision.py": 35,
+    "test_model_kernels.py": 24, "test_pipeline.py": 23, "test_train_numerics.py": 22,
+    "test_train_nanogpt_recipe.py": 21, "test_model_train.py": 17,
+    "test_train_faults.py": 14, "test_model_generate.py": 14, "test_monitor_app.py": 13,
+    "test_data_metadata.py": 13, "test_model_compile_cache.py": 13, "test_data_ray.py": 13,
+    "test_data_ray_cluster.py": 13, "test_data_megatron_interop.py": 12,
+    "test_train_adamw_reference.py": 12, "test_train_async_save.py": 12,
+    "test_train_dropout.py": 12, "test_model_dropout.py": 11, "test_train_golden.py": 10,
 }  # fmt: skip
 
 
