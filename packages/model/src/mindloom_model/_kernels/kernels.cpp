@@ -129,7 +129,7 @@ EXPORT int mindloom_rmsnorm_fwd(int nparam, void **params, int *ndims, int64_t *
   const float eps = static_cast<float *>(params[2])[0];
   parallel_rows(n, [&](int64_t lo, int64_t hi) {
     rmsnorm_fwd_rows(x + lo * d, w, y + lo * d, rstd + lo, hi - lo, d, eps);
-  }, n * d);
+  });
   return 0;
 }
 
@@ -141,21 +141,15 @@ EXPORT int mindloom_rmsnorm_bwd(int nparam, void **params, int *ndims, int64_t *
   const float *x = static_cast<float *>(params[0]), *w = static_cast<float *>(params[1]);
   const float *rstd = static_cast<float *>(params[2]), *dy = static_cast<float *>(params[3]);
   float *dx = static_cast<float *>(params[4]), *dw = static_cast<float *>(params[5]);
-  const bool serial = n * d < kSerialWork;  // see parallel_rows
-  const int nt = serial ? 1 : Pool::get().size();
+  const int nt = Pool::get().size();
   std::vector<float> partial(static_cast<size_t>(nt) * d, 0.f);  // per thread: no atomics
-  auto part = [&](int t, int nth) {
+  Pool::get().run([&](int t, int nth) {
     int64_t lo, hi;
     chunk(n, t, nth, &lo, &hi);
     if (lo < hi)
       rmsnorm_bwd_rows(x + lo * d, w, rstd + lo, dy + lo * d, dx + lo * d,
                        partial.data() + static_cast<int64_t>(t) * d, hi - lo, d);
-  };
-  if (serial) {
-    part(0, 1);
-  } else {
-    Pool::get().run(part);
-  }
+  });
   std::fill(dw, dw + d, 0.f);
   for (int t = 0; t < nt; ++t) {
     const float *pw = partial.data() + static_cast<int64_t>(t) * d;
@@ -172,7 +166,7 @@ EXPORT int mindloom_swiglu_fwd(int nparam, void **params, int *ndims, int64_t **
   float *y = static_cast<float *>(params[2]);
   parallel_rows(numel(ndims[0], shapes[0]), [&](int64_t lo, int64_t hi) {
     swiglu_fwd_flat(a + lo, b + lo, y + lo, hi - lo);
-  }, numel(ndims[0], shapes[0]));
+  });
   return 0;
 }
 
@@ -185,7 +179,7 @@ EXPORT int mindloom_swiglu_bwd(int nparam, void **params, int *ndims, int64_t **
   float *da = static_cast<float *>(params[3]), *db = static_cast<float *>(params[4]);
   parallel_rows(numel(ndims[0], shapes[0]), [&](int64_t lo, int64_t hi) {
     swiglu_bwd_flat(a + lo, b + lo, dy + lo, da + lo, db + lo, hi - lo);
-  }, numel(ndims[0], shapes[0]));
+  });
   return 0;
 }
 
@@ -199,7 +193,7 @@ EXPORT int mindloom_ce_fwd(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t v = shapes[0][1];
   parallel_rows(shapes[0][0], [&](int64_t lo, int64_t hi) {
     ce_fwd_rows(x + lo * v, labels + lo, nll + lo, lse + lo, hi - lo, v);
-  }, shapes[0][0] * v);
+  });
   return 0;
 }
 
@@ -214,7 +208,7 @@ EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t v = shapes[0][1];
   parallel_rows(shapes[0][0], [&](int64_t lo, int64_t hi) {
     ce_bwd_rows(x + lo * v, labels + lo, lse + lo, g + lo, dx + lo * v, hi - lo, v);
-  }, shapes[0][0] * v);
+  });
   return 0;
 }
 

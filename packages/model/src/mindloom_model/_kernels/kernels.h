@@ -171,21 +171,9 @@ inline void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
   *hi = *lo + q + (t < r ? 1 : 0);
 }
 
-// Below this many elements of work a kernel runs in its caller's thread alone: waking the
-// pool's sleeping workers (a futex each, a scheduler tick when the cores are busy) cost more
-// than the work. The recipe's RMSNorm (768 x 128) and loss (768 x 65) stay serial; its
-// SwiGLU (768 x 344) and every attention use the pool. Profiled in the compiled step at
-// load 5-6 (benchmarks/step_profile.py): the 18 RMSNorm calls took ~170 us each on the pool.
-constexpr int64_t kSerialWork = int64_t{1} << 17;
-
-// rows of n spread over the pool: body(lo, hi) for each thread's contiguous block; `work`
-// (elements touched) under kSerialWork runs them all in this thread
+// rows of n spread over the pool: body(lo, hi) for each thread's contiguous block
 template <class Body>
-void parallel_rows(int64_t n, Body body, int64_t work) {
-  if (work < kSerialWork) {
-    if (n > 0) body(0, n);
-    return;
-  }
+void parallel_rows(int64_t n, Body body) {
   Pool::get().run([&](int t, int nt) {
     int64_t lo, hi;
     chunk(n, t, nt, &lo, &hi);
