@@ -212,8 +212,9 @@ def ms_step_fn(name, batch, args, kernels):
     return _ms_train_step(cfg, make_batch(cfg, batch, segments=not args.no_segments), kernels)
 
 
-def _ms_train_step(cfg, data, kernels):
-    """One compiled mindloom train step on `data`, as a no-argument callable -> loss."""
+def _ms_train_step(cfg, data, kernels, patch=None):
+    """One compiled mindloom train step on `data`, as a no-argument callable -> loss;
+    `patch(net)` may change the loss net before the step is built (step_profile.py)."""
     import mindspore as ms
     from mindloom_model import Llama, LlamaWithLoss
     from mindloom_train import TrainStep, decay_flags, hyper_vector
@@ -222,6 +223,8 @@ def _ms_train_step(cfg, data, kernels):
     net = LlamaWithLoss(Llama(cfg))
     if kernels == "auto" and net.model.loss_kernel is None:
         raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
+    if patch is not None:
+        patch(net)
     weights = ms.ParameterTuple(net.trainable_params())
     step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
     step.set_train(True)
@@ -236,9 +239,14 @@ def kernels_ab(args) -> int:
     """Fused kernels vs portable ops, both compiled in this process, steps interleaved
     so both see the same load; prints medians and the median of per-step ratios."""
     import mindspore as ms
+    from mindloom_model import get_preset
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    # the ceiling measured in this process, so the step's share of it is of this load
+    ceiling, per_lib = matmul_ceiling()
+    libs = "  ".join(f"{k}={v:.1f}" for k, v in per_lib.items())
+    print(f"fp32 matmul ceiling ({args.threads} threads): {ceiling:.1f} GFLOP/s  ({libs})")
     for name in args.presets.split(","):
         batch = getattr(args, "batch_" + name.replace("-", "_"))
         fns = {k: ms_step_fn(name, batch, args, k) for k in ("auto", "portable")}
@@ -259,6 +267,11 @@ def kernels_ab(args) -> int:
         print(f"{name}: kernels {med['auto'] * 1e3:.1f} ms/step, portable {med['portable'] * 1e3:.1f}"
               f" ms/step: x{med['portable'] / med['auto']:.2f} (per-step ratios' median x{ratio:.2f});"
               f" first losses {losses['auto']:.6f} / {losses['portable']:.6f}")  # fmt: skip
+        cfg = get_preset(name)
+        flops = cfg.flops_per_token(cfg.max_seq_len) * batch * cfg.max_seq_len
+        print(f"{name}: share of the matmul ceiling (MFU): kernels "
+              f"{flops / med['auto'] / (ceiling * 1e9):.1%}, portable "
+              f"{flops / med['portable'] / (ceiling * 1e9):.1%}")  # fmt: skip
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 

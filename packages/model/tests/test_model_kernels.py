@@ -225,6 +225,27 @@ def test_attention_with_value_width_and_scale_against_numpy(b, s, h, kv, dk, dv,
         np.testing.assert_allclose(mine.asnumpy(), ref, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "b,s,h,kv,dh,table_b",
+    [(2, 13, 4, 2, 8, 2), (3, 37, 2, 2, 16, 1), (1, 5, 3, 1, 6, 1)],
+)
+def test_rope_attention_forward_and_gradients_against_numpy(b, s, h, kv, dh, table_b):
+    # the op Llama runs: RoPE on q and k inside the kernel, Llama's 1/sqrt(Dh) as its
+    # scale; the tables per row (positions restart per document) or one for all rows
+    q, k, v, g = (rng.standard_normal((b, s, n, dh)).astype(np.float32) for n in (h, kv, kv, h))
+    seg = packed_segments(b, s) if table_b == b else np.zeros((1, s), np.int32)
+    cos, sin = rope_tables(table_b, s, dh, seg)
+    scale = 1.0 / np.sqrt(dh)
+    kern = K.KernelRopeAttention(scale)
+    st, ct, snt, gt = Tensor(seg), Tensor(cos), Tensor(sin), Tensor(g)
+    o = kern(Tensor(q), Tensor(k), Tensor(v), st, ct, snt)[0].asnumpy()
+    ref = numpy_rope_attention(q, k, v, seg, scale, g, cos, sin)
+    np.testing.assert_allclose(o, ref[0], rtol=1e-4, atol=1e-5)
+    got = grads(lambda x, y, z: (kern(x, y, z, st, ct, snt)[0] * gt).sum(), (q, k, v), (0, 1, 2))
+    for name, mine, want in zip(("dq", "dk", "dv"), got, ref[1:]):
+        np.testing.assert_allclose(mine.asnumpy(), want, rtol=1e-4, atol=2e-5, err_msg=name)
+
+
 # The attention kernel called through ctypes (MindSpore's AOT signature) in a child
 # process with $MINDLOOM_KERNEL_ISA set: the library picks its AVX-512 / AVX2 / baseline
 # build once per process, so each build needs a process of its own (NumPy only: fast).
@@ -250,8 +271,45 @@ lse = np.zeros((b, h, s), np.float32)
 call("mindloom_attn_fwd", [q, k, v, seg, scale, o, lse])
 dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
 call("mindloom_attn_bwd", [q, k, v, seg, scale, o, lse, g, dq, dk, dv])
-np.savez(sys.argv[3], o=o, dq=dq, dk=dk, dv=dv)
+# the same with RoPE inside the kernel (tables for q's width: k's, here)
+cos, sin = d["cos"], d["sin"]
+ro, rlse = np.zeros_like(o), np.zeros_like(lse)
+call("mindloom_attn_rope_fwd", [q, k, v, seg, scale, cos, sin, ro, rlse])
+rdq, rdk, rdv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+call("mindloom_attn_rope_bwd", [q, k, v, seg, scale, cos, sin, ro, rlse, g, rdq, rdk, rdv])
+np.savez(sys.argv[3], o=o, dq=dq, dk=dk, dv=dv, ro=ro, rdq=rdq, rdk=rdk, rdv=rdv)
 """
+
+
+def numpy_rope(x, cos, sin):
+    """float64 RoPE of x [B, S, H, D] with tables [B|1, S, D]: x cos + rotate_half(x) sin."""
+    x = np.asarray(x, np.float64)
+    half = x.shape[-1] // 2
+    rot = np.concatenate((-x[..., half:], x[..., :half]), -1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+def numpy_rope_grad(g, cos, sin):
+    """The gradient through numpy_rope: its transpose, g cos - rotate_half(g sin)."""
+    gs = g * sin[:, :, None]
+    half = g.shape[-1] // 2
+    return g * cos[:, :, None] - np.concatenate((-gs[..., half:], gs[..., :half]), -1)
+
+
+def numpy_rope_attention(q, k, v, seg, scale, g, cos, sin):
+    """(o, dq, dk, dv) of attention(rope(q), rope(k), v): numpy_attention on the rotated
+    inputs, dq and dk taken back through the rotation."""
+    o, dq, dk, dv = numpy_attention(numpy_rope(q, cos, sin), numpy_rope(k, cos, sin), v,
+                                    seg, scale, g)  # fmt: skip
+    return o, numpy_rope_grad(dq, cos, sin), numpy_rope_grad(dk, cos, sin), dv
+
+
+def rope_tables(b, s, d, seg, theta=10000.0):
+    """cos, sin [b, S, d] float32 at positions that restart at each document."""
+    pos = _restarted_positions(np.broadcast_to(seg, (b, s))).astype(np.float32)
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float32) / d)
+    emb = np.concatenate([pos[..., None] * inv] * 2, -1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
 
 
 def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_path):
@@ -261,7 +319,8 @@ def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_p
     positions, and grouped-query heads with values narrower than the keys: forward and
     all three gradients against the float64 NumPy reference, once per instruction set
     the library builds (baseline SSE2, AVX2 + FMA, AVX-512; one the CPU lacks runs the
-    best it has). Plants: no rescale of the output when a tile raises a row's maximum;
+    best it has), and the same with RoPE inside the kernel (positions restarting at each
+    document; the gradients of q and k before the rotation). Plants: no rescale of the output when a tile raises a row's maximum;
     the segment test dropped in a tile's second half (see the package README)."""
     import subprocess
     import sys
@@ -282,8 +341,11 @@ def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_p
         scale=np.array([scale], np.float32),
         g=data.standard_normal((b, s, h, dv)).astype(np.float32),
     )
+    arrays["cos"], arrays["sin"] = rope_tables(b, s, dk, seg)
     np.savez(tmp_path / "in.npz", **arrays)
     want = numpy_attention(arrays["q"], arrays["k"], arrays["v"], seg, scale, arrays["g"])
+    want_rope = numpy_rope_attention(arrays["q"], arrays["k"], arrays["v"], seg, scale,
+                                     arrays["g"], arrays["cos"], arrays["sin"])  # fmt: skip
     for isa in ("base", "avx2", "avx512"):
         out = tmp_path / f"{isa}.npz"
         env = dict(os.environ, MINDLOOM_KERNEL_ISA=isa)
@@ -291,7 +353,8 @@ def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_p
                         str(tmp_path / "in.npz"), str(out)], env=env, check=True,
                        timeout=120)  # fmt: skip
         got = np.load(out)
-        for name, ref in zip(("o", "dq", "dk", "dv"), want):
+        for name, ref in zip(("o", "dq", "dk", "dv", "ro", "rdq", "rdk", "rdv"),
+                             (*want, *want_rope)):  # fmt: skip
             np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=2e-5,
                                        err_msg=f"{isa}: {name}")  # fmt: skip
 

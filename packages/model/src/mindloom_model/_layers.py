@@ -166,15 +166,18 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
     )
 
 
-def rope_cos_sin(position_ids, inv_freq):
-    """position_ids [B, S] int, inv_freq [Dh/2] fp32 -> cos, sin [B, 1, S, Dh] fp32.
+def rope_cos_sin(position_ids, inv_freq, heads_axis: bool = True):
+    """position_ids [B, S] int, inv_freq [Dh/2] fp32 -> cos, sin [B, 1, S, Dh] fp32
+    ([B, S, Dh] with heads_axis False: the fused attention kernel's tables).
 
     Hugging Face's layout: the two halves of each head repeat the same frequencies, and
     `rotate_half` pairs element i with i + Dh/2 (HF's checkpoints are permuted for it), so
     HF weights load here unchanged.
     """
     freqs = position_ids.astype(ms.float32).expand_dims(-1) * inv_freq  # [B, S, Dh/2]
-    emb = ops.concat((freqs, freqs), -1).expand_dims(1)  # [B, 1, S, Dh]
+    emb = ops.concat((freqs, freqs), -1)  # [B, S, Dh]
+    if heads_axis:
+        emb = emb.expand_dims(1)  # [B, 1, S, Dh]
     # constants of the step: cutting them out of autodiff spares the backward pass from
     # reducing their (unused) gradients over heads in every layer
     return ops.stop_gradient(ops.cos(emb)), ops.stop_gradient(ops.sin(emb))

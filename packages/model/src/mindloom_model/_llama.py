@@ -92,7 +92,7 @@ class Attention(nn.Cell):
         self.wo = lin(cfg.num_heads * dh, d, out_std)
         self.attn_dropout = _dropout(cfg, dropout_site(layer_id, "attn_probs"))
         self.flash = _use_flash(cfg)
-        self.kernel = None  # a _kernels.KernelAttention, set by use_cpu_kernels
+        self.kernel = None  # a _kernels.KernelRopeAttention, set by use_cpu_kernels
 
     def qkv(self, x, cos, sin, q_scale=1.0):
         # x [B, S, D] -> q [B, H, S, Dh], k/v [B, KV, S, Dh], RoPE applied to q and k.
@@ -131,14 +131,14 @@ class Attention(nn.Cell):
             o = attention(q, k_cache, v_cache, bias, n_rep, self.attn_dropout, 1.0, dropout_key)
             return self.out(o), k_cache, v_cache
         if self.kernel is not None:
-            # bias is segment ids [B|1, S] int32 and cos/sin are [B|1, S, 1, Dh] here:
-            # heads stay in the projections' [B, S, H, Dh] layout, no S x S mask exists
+            # bias is segment ids [B|1, S] int32 and cos/sin are [B|1, S, Dh] here: heads
+            # stay in the projections' [B, S, H, Dh] layout, no S x S mask exists, and the
+            # kernel (KernelRopeAttention(self.scale)) rotates q and k and scales q itself
             b, s, _ = x.shape
             q = self.wq(x).reshape(b, s, self.n_heads, self.head_dim)
             k = self.wk(x).reshape(b, s, self.n_kv_heads, self.head_dim)
             v = self.wv(x).reshape(b, s, self.n_kv_heads, self.head_dim)
-            q = apply_rope(q, cos * self.scale, sin * self.scale)
-            o = self.kernel(q, apply_rope(k, cos, sin), v, bias)[0]
+            o = self.kernel(q, k, v, bias, cos, sin)[0]
             return self.wo(o.reshape(b, s, self.n_heads * self.head_dim))
         if self.flash:
             q, k, v = self.qkv(x, cos, sin)
@@ -279,15 +279,15 @@ class Llama(nn.Cell):
     def attention_inputs(self, position_ids, segment_ids=None):
         """(cos, sin, bias) every layer takes: RoPE tables [B|1, 1, S, Dh] and the additive
         mask [B|1, 1, S, S] fp32; with the fused attention kernel, RoPE tables
-        [B|1, S, 1, Dh] and the segment ids [B|1, S] int32 instead (no S x S mask)."""
+        [B|1, S, Dh] and the segment ids [B|1, S] int32 instead (no S x S mask)."""
         s = position_ids.shape[1]
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
         if self.kernel_attention:
-            # the kernel reads the documents from the segment ids; RoPE in [B, S, H, Dh]
-            cos, sin = cos.transpose(0, 2, 1, 3), sin.transpose(0, 2, 1, 3)
+            # the kernel reads the documents from the segment ids and applies RoPE itself
+            cos, sin = rope_cos_sin(position_ids, self.inv_freq, heads_axis=False)
             if segment_ids is None:
                 return cos, sin, ops.zeros((1, s), ms.int32)
             return cos, sin, segment_ids.astype(ms.int32)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq)  # [B|1, 1, S, Dh]
         pos = self.positions[0, :s]
         causal = pos.expand_dims(1) >= pos.expand_dims(0)  # [S, S] lower triangle
         return cos, sin, attention_bias(s, segment_ids, causal)  # [B|1, 1, S, S]
@@ -333,7 +333,7 @@ def _install_kernels(model: Llama) -> None:
     if model.config.dropout == 0:  # the kernel has no dropout on the probabilities
         model.kernel_attention = True
         for layer in model.layers:
-            layer.attn.kernel = _kernels.KernelAttention()
+            layer.attn.kernel = _kernels.KernelRopeAttention(layer.attn.scale)
     model.loss_kernel = _kernels.KernelCrossEntropy()
 
 

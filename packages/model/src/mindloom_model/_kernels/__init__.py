@@ -33,6 +33,7 @@ __all__ = [
     "KernelSwiGLU",
     "KernelCrossEntropy",
     "KernelAttention",
+    "KernelRopeAttention",
 ]
 
 _HERE = Path(__file__).parent
@@ -220,3 +221,34 @@ class KernelAttention(nn.Cell):
     def bprop(self, q, k, v, segment_ids, out, dout):
         dq, dk, dv = self.bwd(q, k, v, segment_ids, self.scale_t, out[0], out[1], dout[0])
         return dq, dk, dv, ops.zeros_like(segment_ids)
+
+
+class KernelRopeAttention(nn.Cell):
+    """KernelAttention with RoPE applied to q and k inside the kernel, as they are copied
+    into its tiles: (q, k, v, segment_ids, cos, sin) -> (o, lse), cos/sin [B|1, S, Dk]
+    (Hugging Face's rotate_half layout), o = attention(rope(q), rope(k), v); the
+    gradients are those of q and k before the rotation. One op each way where the model
+    had run 7 forward ops per rotated tensor and their backward (Llama's path)."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = float(scale)  # a cell attribute: the compile cache's key sees it
+        self.scale_t = Tensor(np.array([scale], np.float32))
+        self.fwd = _op(
+            "attn_rope_fwd",
+            lambda q, k, v, s, c, cs, sn: (q[:3] + [v[3]], [q[0], q[2], q[1]]),
+            lambda q, k, v, s, c, cs, sn: (_f32, _f32),
+        )
+        self.bwd = _op(
+            "attn_rope_bwd",
+            lambda q, k, v, s, c, cs, sn, o, lse, g: (q, k, v),
+            lambda q, k, v, s, c, cs, sn, o, lse, g: (_f32, _f32, _f32),
+        )
+
+    def construct(self, q, k, v, segment_ids, cos, sin):
+        return self.fwd(q, k, v, segment_ids, self.scale_t, cos, sin)
+
+    def bprop(self, q, k, v, segment_ids, cos, sin, out, dout):
+        dq, dk, dv = self.bwd(q, k, v, segment_ids, self.scale_t, cos, sin, out[0], out[1], dout[0])
+        # the tables are constants of the step (no gradient flows to them)
+        return dq, dk, dv, ops.zeros_like(segment_ids), ops.zeros_like(cos), ops.zeros_like(sin)

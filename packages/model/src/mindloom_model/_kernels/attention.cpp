@@ -56,11 +56,54 @@ struct AttnArgs {
   float *o, *lse;
   const float *dout;
   float *dq, *dk, *dv;
+  const float *cos, *sin;  // RoPE tables [B or 1, S, Dk], or null: q and k used as given
+  int64_t rope_b;
   AttnDims a;
   std::atomic<int64_t> *next;
 };
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// RoPE in Hugging Face's layout (rotate_half pairs element i with i + d/2):
+// y = (x * cos + [-x2, x1] * sin) * mult, one row of d (even) elements
+inline void rope_row(const float *x, const float *c, const float *s, int64_t d, float mult,
+                     float *y) {
+  const int64_t h = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = (x[i] * c[i] - x[i + h] * s[i]) * mult;
+    y[i + h] = (x[i + h] * c[i + h] + x[i] * s[i + h]) * mult;
+  }
+}
+
+// its transpose (the backward of a rotation): dx = (g * cos + [g2 * sin2, -g1 * sin1]) * mult
+inline void rope_row_t(const float *g, const float *c, const float *s, int64_t d, float mult,
+                       float *dx) {
+  const int64_t h = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    dx[i] = (g[i] * c[i] + g[i + h] * s[i + h]) * mult;
+    dx[i + h] = (g[i + h] * c[i + h] - g[i] * s[i]) * mult;
+  }
+}
+
+// one batch row's RoPE tables (row j of position j), or none
+struct Rope {
+  const float *c = nullptr, *s = nullptr;
+  Rope() = default;
+  Rope(const AttnArgs &a, int64_t bi) {
+    if (a.cos == nullptr) return;
+    const int64_t off = (a.rope_b == 1 ? 0 : bi) * a.a.s * a.a.dk;
+    c = a.cos + off;
+    s = a.sin + off;
+  }
+  // row j of x (width d) rotated into tmp, or x's own row without RoPE
+  const float *row(const float *x, int64_t j, int64_t d, float *tmp) const {
+    if (c == nullptr) return x;
+    rope_row(x, c + j * d, s + j * d, d, 1.f, tmp);
+    return tmp;
+  }
+};
 
 // C[m][n] (+)= sum_k A(m, k) B[k][n] for m < M (a multiple of MR), n < N (a multiple of
 // NV), k < K; A(m, k) = a[m * ars + k * aks] (so A may be read transposed), B and C
@@ -98,18 +141,36 @@ __attribute__((always_inline)) inline void gemm(const float *a, int64_t ars, int
   }
 }
 
-// rows [0, s) of x (row stride `stride`, width d) into xt [d, sp] transposed, zero padded
-void transpose_in(const float *x, int64_t stride, int64_t s, int64_t d, int64_t sp, float *xt) {
-  std::fill(xt, xt + d * sp, 0.f);
-  for (int64_t j = 0; j < s; ++j)
-    for (int64_t k = 0; k < d; ++k) xt[k * sp + j] = x[j * stride + k];
+// one query row for the tiles: RoPE'd (position i) when there are tables, times the
+// softmax scale; zeros for the padding rows of a block (valid false)
+inline void q_row(const float *x, const Rope &rope, int64_t i, bool valid, int64_t d,
+                  float scale, float *y) {
+  if (!valid) {
+    std::fill(y, y + d, 0.f);
+  } else if (rope.c != nullptr) {
+    rope_row(x, rope.c + i * d, rope.s + i * d, d, scale, y);
+  } else {
+    for (int64_t k = 0; k < d; ++k) y[k] = x[k] * scale;
+  }
 }
 
-// rows [0, s) of x (row stride `stride`, width d) into xp [sp, dp], zero padded
+// rows [0, s) of x (row stride `stride`, width d; RoPE applied when `rope` has tables)
+// into xt [d, sp] transposed, zero padded
+void transpose_in(const float *x, int64_t stride, int64_t s, int64_t d, int64_t sp, float *xt,
+                  const Rope &rope = Rope(), float *tmp = nullptr) {
+  std::fill(xt, xt + d * sp, 0.f);
+  for (int64_t j = 0; j < s; ++j) {
+    const float *xr = rope.row(x + j * stride, j, d, tmp);
+    for (int64_t k = 0; k < d; ++k) xt[k * sp + j] = xr[k];
+  }
+}
+
+// rows [0, s) of x (row stride `stride`, width d; RoPE as above) into xp [sp, dp], zero padded
 void pad_in(const float *x, int64_t stride, int64_t s, int64_t d, int64_t sp, int64_t dp,
-            float *xp) {
+            float *xp, const Rope &rope = Rope(), float *tmp = nullptr) {
   std::fill(xp, xp + sp * dp, 0.f);
-  for (int64_t j = 0; j < s; ++j) std::memcpy(xp + j * dp, x + j * stride, sizeof(float) * d);
+  for (int64_t j = 0; j < s; ++j)
+    std::memcpy(xp + j * dp, rope.row(x + j * stride, j, d, tmp), sizeof(float) * d);
 }
 
 // One row's segment ids, padded to sp, and each query's first visible key (its
@@ -150,11 +211,14 @@ __attribute__((always_inline)) inline void attn_fwd_body(const AttnArgs &c) {
   std::vector<float> ob(static_cast<size_t>(BQ * Dvp));
   std::vector<int32_t> sgp(static_cast<size_t>(Sp));
   std::vector<int64_t> start(static_cast<size_t>(S));
+  std::vector<float> tmp(static_cast<size_t>(Dk));
   int64_t have_b = -1, have_kv = -1;
   for (int64_t task; (task = next->fetch_add(1, std::memory_order_relaxed)) < a.b * a.h;) {
     const int64_t bi = task / a.h, hi = task % a.h, kvi = hi / rep;
+    const Rope rope(c, bi);
     if (bi != have_b || kvi != have_kv) {  // consecutive heads of a group share K and V
-      transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data());
+      transpose_in(k + bi * S * kstride + kvi * Dk, kstride, S, Dk, Sp, kt.data(), rope,
+                   tmp.data());
       pad_in(v + bi * S * vstride + kvi * Dv, vstride, S, Dv, Sp, Dvp, vp.data());
       doc_starts(seg + (a.seg_b == 1 ? 0 : bi * S), S, Sp, sgp.data(), start.data());
       have_b = bi;
@@ -164,8 +228,8 @@ __attribute__((always_inline)) inline void attn_fwd_body(const AttnArgs &c) {
       const int64_t nr = std::min(BQ, S - i0);
       // the scale goes on the queries (Dk products per row, not one per key)
       for (int64_t r = 0; r < BQ; ++r)
-        for (int64_t d = 0; d < Dk; ++d)
-          qs[r * Dk + d] = r < nr ? q[(bi * S + i0 + r) * qstride + hi * Dk + d] * a.scale : 0.f;
+        q_row(r < nr ? q + (bi * S + i0 + r) * qstride + hi * Dk : q, rope, i0 + r, r < nr, Dk,
+              a.scale, qs.data() + r * Dk);
       float m[BQ], l[BQ];
       std::fill(m, m + BQ, -INFINITY);
       std::fill(l, l + BQ, 0.f);
@@ -228,11 +292,13 @@ __attribute__((always_inline)) inline void attn_bwd_body(const AttnArgs &c) {
   std::vector<float> p(static_cast<size_t>(BQ * BK)), ds(static_cast<size_t>(BQ * BK));
   std::vector<int32_t> sgp(static_cast<size_t>(Sp));
   std::vector<int64_t> start(static_cast<size_t>(S));
+  std::vector<float> tmp(static_cast<size_t>(Dk));
   for (int64_t task; (task = next->fetch_add(1, std::memory_order_relaxed)) < a.b * a.kv;) {
     const int64_t bi = task / a.kv, kvi = task % a.kv;
+    const Rope rope(c, bi);
     const float *kb = k + bi * S * kstride + kvi * Dk, *vb = v + bi * S * vstride + kvi * Dv;
-    transpose_in(kb, kstride, S, Dk, Sp, kt.data());
-    pad_in(kb, kstride, S, Dk, Sp, Dkp, kp.data());
+    transpose_in(kb, kstride, S, Dk, Sp, kt.data(), rope, tmp.data());
+    pad_in(kb, kstride, S, Dk, Sp, Dkp, kp.data(), rope, tmp.data());
     transpose_in(vb, vstride, S, Dv, Sp, vt.data());
     doc_starts(seg + (a.seg_b == 1 ? 0 : bi * S), S, Sp, sgp.data(), start.data());
     std::fill(dkp.begin(), dkp.end(), 0.f);
@@ -250,7 +316,7 @@ __attribute__((always_inline)) inline void attn_bwd_body(const AttnArgs &c) {
           const float *qr = q + (bi * S + i0 + r) * qstride + hi * Dk;
           const float *gr = dout + (bi * S + i0 + r) * ostride + hi * Dv;
           const float *orow = o + (bi * S + i0 + r) * ostride + hi * Dv;
-          for (int64_t d = 0; d < Dk; ++d) qs[r * Dkp + d] = qr[d] * a.scale;
+          q_row(qr, rope, i0 + r, true, Dk, a.scale, qs.data() + r * Dkp);
           float s = 0.f;
           for (int64_t d = 0; d < Dv; ++d) {
             gb[r * Dvp + d] = gr[d];
@@ -286,12 +352,23 @@ __attribute__((always_inline)) inline void attn_bwd_body(const AttnArgs &c) {
         }
         for (int64_t r = 0; r < nr; ++r) {
           float *dqr = dq + (bi * S + i0 + r) * qstride + hi * Dk;
-          for (int64_t d = 0; d < Dk; ++d) dqr[d] = dqb[r * Dkp + d] * a.scale;
+          const float *g = dqb.data() + r * Dkp;
+          if (rope.c != nullptr) {  // back through the rotation: its transpose
+            const int64_t i = i0 + r;
+            rope_row_t(g, rope.c + i * Dk, rope.s + i * Dk, Dk, a.scale, dqr);
+          } else {
+            for (int64_t d = 0; d < Dk; ++d) dqr[d] = g[d] * a.scale;
+          }
         }
       }
     }
     for (int64_t j = 0; j < S; ++j) {
-      std::memcpy(dk + (bi * S + j) * kstride + kvi * Dk, dkp.data() + j * Dkp, sizeof(float) * Dk);
+      float *dkr = dk + (bi * S + j) * kstride + kvi * Dk;
+      if (rope.c != nullptr) {
+        rope_row_t(dkp.data() + j * Dkp, rope.c + j * Dk, rope.s + j * Dk, Dk, 1.f, dkr);
+      } else {
+        std::memcpy(dkr, dkp.data() + j * Dkp, sizeof(float) * Dk);
+      }
       std::memcpy(dv + (bi * S + j) * vstride + kvi * Dv, dvp.data() + j * Dvp, sizeof(float) * Dv);
     }
   }
@@ -349,48 +426,93 @@ bool attn_dims(int nparam, void **params, int *ndims, int64_t **shapes, AttnDims
   return shapes[3][1] == a->s && (a->seg_b == 1 || a->seg_b == a->b);
 }
 
-// the pointers both entry points share: q, k, v, seg, (scale,) o, lse
-AttnArgs attn_args(void **params, const AttnDims &a, std::atomic<int64_t> *next) {
+// the RoPE tables cos, sin at params[5], params[6]: [B or 1, S, Dk] each, Dk even
+bool rope_dims(int nparam, int *ndims, int64_t **shapes, const AttnDims &a, int64_t *rope_b) {
+  if (nparam < 7 || a.dk % 2) return false;
+  for (int i = 5; i < 7; ++i) {
+    if (ndims[i] != 3 || shapes[i][1] != a.s || shapes[i][2] != a.dk) return false;
+    if (shapes[i][0] != 1 && shapes[i][0] != a.b) return false;
+  }
+  *rope_b = shapes[5][0];
+  return shapes[6][0] == *rope_b;
+}
+
+// the pointers every entry point shares: q, k, v, seg, (scale,) [cos, sin,] o, lse; `rope`
+// says whether the tables are there (they shift o and lse by two)
+AttnArgs attn_args(void **params, const AttnDims &a, std::atomic<int64_t> *next, bool rope) {
   AttnArgs c{};
   c.q = static_cast<float *>(params[0]);
   c.k = static_cast<float *>(params[1]);
   c.v = static_cast<float *>(params[2]);
   c.seg = static_cast<int32_t *>(params[3]);
-  c.o = static_cast<float *>(params[5]);
-  c.lse = static_cast<float *>(params[6]);
+  const int o = rope ? 7 : 5;
+  if (rope) {
+    c.cos = static_cast<float *>(params[5]);
+    c.sin = static_cast<float *>(params[6]);
+  }
+  c.o = static_cast<float *>(params[o]);
+  c.lse = static_cast<float *>(params[o + 1]);
   c.a = a;
   c.next = next;
   return c;
 }
 
-}  // namespace
+int attn_fwd_call(int nparam, void **params, int *ndims, int64_t **shapes, bool rope) {
+  AttnDims a;
+  int64_t rope_b = 1;
+  if (nparam != (rope ? 9 : 7) || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
+  if (rope && !rope_dims(nparam, ndims, shapes, a, &rope_b)) return 1;
+  static const AttnFn fwd = pick_attn_fwd();
+  std::atomic<int64_t> next{0};
+  AttnArgs c = attn_args(params, a, &next, rope);
+  c.rope_b = rope_b;
+  Pool::get().run([&](int, int) { fwd(c); });
+  return 0;
+}
 
-using namespace mindloom_kernels;
+int attn_bwd_call(int nparam, void **params, int *ndims, int64_t **shapes, bool rope) {
+  AttnDims a;
+  int64_t rope_b = 1;
+  if (nparam != (rope ? 13 : 11) || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
+  if (rope && !rope_dims(nparam, ndims, shapes, a, &rope_b)) return 1;
+  static const AttnFn bwd = pick_attn_bwd();
+  std::atomic<int64_t> next{0};
+  AttnArgs c = attn_args(params, a, &next, rope);
+  c.rope_b = rope_b;
+  const int g = rope ? 9 : 7;  // dout, then the outputs dq, dk, dv
+  c.dout = static_cast<float *>(params[g]);
+  c.dq = static_cast<float *>(params[g + 1]);
+  c.dk = static_cast<float *>(params[g + 2]);
+  c.dv = static_cast<float *>(params[g + 3]);
+  Pool::get().run([&](int, int) { bwd(c); });
+  return 0;
+}
+
+}  // namespace
 
 //   -> o [B, S, H, Dv], lse [B, H, S]
 EXPORT int mindloom_attn_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
-  AttnDims a;
-  if (nparam != 7 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
-  static const AttnFn fwd = pick_attn_fwd();
-  std::atomic<int64_t> next{0};
-  const AttnArgs c = attn_args(params, a, &next);
-  Pool::get().run([&](int, int) { fwd(c); });
-  return 0;
+  return attn_fwd_call(nparam, params, ndims, shapes, false);
 }
 
 // q, k, v, seg, scale, o, lse, do -> dq, dk, dv
 EXPORT int mindloom_attn_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **, void *, void *) {
-  AttnDims a;
-  if (nparam != 11 || !attn_dims(nparam, params, ndims, shapes, &a)) return 1;
-  static const AttnFn bwd = pick_attn_bwd();
-  std::atomic<int64_t> next{0};
-  AttnArgs c = attn_args(params, a, &next);
-  c.dout = static_cast<float *>(params[7]);
-  c.dq = static_cast<float *>(params[8]);
-  c.dk = static_cast<float *>(params[9]);
-  c.dv = static_cast<float *>(params[10]);
-  Pool::get().run([&](int, int) { bwd(c); });
-  return 0;
+  return attn_bwd_call(nparam, params, ndims, shapes, false);
+}
+
+// RoPE inside: q, k, v, seg, scale, cos, sin -> o, lse, with q and k rotated (Hugging
+// Face's rotate_half; cos/sin [B or 1, S, Dk]) as they are copied into the tiles, so the
+// model runs no RoPE ops of its own (forward: 7 ops per tensor; backward: more)
+EXPORT int mindloom_attn_rope_fwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                                  const char **, void *, void *) {
+  return attn_fwd_call(nparam, params, ndims, shapes, true);
+}
+
+// q, k, v, seg, scale, cos, sin, o, lse, do -> dq, dk, dv (the gradients of the inputs
+// before the rotation: each row's dq, dk goes back through the rotation's transpose)
+EXPORT int mindloom_attn_rope_bwd(int nparam, void **params, int *ndims, int64_t **shapes,
+                                  const char **, void *, void *) {
+  return attn_bwd_call(nparam, params, ndims, shapes, true);
 }
