@@ -7,9 +7,11 @@ import os
 # Seconds of test time per file in a fresh-clone run (CI24, session 14, wall seconds from
 # MINDLOOM_TEST_CPU), for the files worth more than ~10 s. Wall, not CPU: a file that mostly
 # waits (signals, timeouts) holds its xdist worker as long as one that computes. pytest-xdist
-# (`--dist loadfile`) hands whole files to its workers in collection order, so the
-# longest go first: the file that ends the suite is then a short one, not a 4-minute
-# launch that started last while the other worker sat idle.
+# (`--dist loadfile --no-loadscope-reorder`, as `./dev test` runs it) hands whole files to
+# its workers in collection order, so the longest go first (without
+# `--no-loadscope-reorder`, xdist 3.8 re-sorts the files by their number of tests, and
+# this order is lost: it was, until session 14): the file that ends the suite is then a
+# short one, not a 4-minute launch that started last while the other worker sat idle.
 FILE_SECONDS = {
     "test_parallel_ep_four.py": 220,  # opt-in (slow)
     "test_train_launch_signals.py": 176, "test_train_expert_parallel.py": 167,
