@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 
 # Seconds of test time per file in a fresh-clone run (CI24, session 14, wall seconds from
-# MINDLOOM_TEST_CPU), for the files worth more than ~10 s. Wall, not CPU: a file that mostly
-# waits (signals, timeouts) holds its xdist worker as long as one that computes. pytest-xdist
-# (`--dist loadfile --no-loadscope-reorder`, as `./dev test` runs it) hands whole files to
-# its workers in collection order, so the longest go first (without
-# `--no-loadscope-reorder`, xdist 3.8 re-sorts the files by their number of tests, and
-# this order is lost: it was, until session 14): the file that ends the suite is then a
-# short one, not a 4-minute launch that started last while the other worker sat idle.
+# MINDLOOM_TEST_CPU), for the files worth more than ~10 s. The files are sorted longest first
+# below, but under `./dev test` pytest-xdist 3.8 (`--dist loadfile`) then re-sorts them by
+# their number of tests (its loadscope reorder), keeping this order only among files with
+# as many tests. Handing them out longest first (`--no-loadscope-reorder`) was measured in
+# session 14 and was slower: it starts the big msrun launches together on two cores
+# (docs/testing.md). Without xdist (MINDLOOM_TEST_WORKERS=0) this order holds.
 FILE_SECONDS = {
     "test_parallel_ep_four.py": 220,  # opt-in (slow)
     "test_train_launch_signals.py": 176, "test_train_expert_parallel.py": 167,
