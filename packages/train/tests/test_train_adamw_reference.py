@@ -4,8 +4,10 @@ Every other train test compares the trainer with itself (resume, loss scale, lay
 a wrong update that is wrong the same way everywhere (bias correction dropped, decay on
 norms) passes them. Here the reference is torch's own optimizer and clipping:
 
-- the compiled `TrainStep` (+ `AccumStep`): a loss that is linear in the weights, so the
-  gradient is exactly the tensor fed in; two micro-batches, a 2**10 loss scale, clipping
+- the compiled steps: `AccumStep` then the fused `TrainStep` (a numerics log step's path)
+  on odd steps, `AccumStep` twice then `UpdateStep` (every other accumulated step's) on
+  even ones; a loss that is linear in the weights, so the gradient is exactly the tensor
+  fed in; two micro-batches, a 2**10 loss scale, clipping
   active on some steps only, a changing learning rate, decay on matrices only and not on
   the embedding (`decay_embeddings: false`), one skipped (inf-gradient) step;
 - the engine path (`EngineStep`, used under `mindloom launch` for tp/pp/ZeRO-1): the real
@@ -82,6 +84,7 @@ def test_compiled_step_matches_torch_adamw(tmp_path):
     flags = S.decay_flags(params, decay_embeddings=False)
     train = S.TrainStep(loss_net, weights, flags, accum_steps=2)
     accum = S.AccumStep(loss_net, weights, train.acc)
+    update = S.UpdateStep(loss_net, weights, flags, accum_steps=2, share=train)
     tp, opt = _torch_adamw(params, names, decayed)
     dummy = Tensor(np.zeros(1, np.float32))
     rng = np.random.default_rng(0)
@@ -100,9 +103,12 @@ def test_compiled_step_matches_torch_adamw(tmp_path):
                  adam_step=adam_step + 1, clip=CLIP, spike=None, loss_scale=SCALE, n_micro=2)  # fmt: skip
         flat = [lin.flat(mb) for mb in micro]
         l1 = accum(flat[0], dummy, dummy, dummy, dummy, S.hyper_vector(**h))
-        _, gnorm, ok, _ = train(flat[1], dummy, dummy, dummy, dummy,
-                                S.hyper_vector(**h, inf_grad=poisoned,
-                                               prev_loss_sum=float(l1.asnumpy())))  # fmt: skip
+        last = S.hyper_vector(**h, inf_grad=poisoned, prev_loss_sum=float(l1.asnumpy()))
+        if step % 2:
+            _, gnorm, ok, _ = train(flat[1], dummy, dummy, dummy, dummy, last)
+        else:
+            l2 = accum(flat[1], dummy, dummy, dummy, dummy, S.hyper_vector(**h))
+            _, gnorm, ok, _ = update(l2, last)
         if poisoned:
             assert not bool(ok.asnumpy()), "an inf gradient must skip the update"
         else:

@@ -4,9 +4,10 @@ value, and every key `GRAPH_FREE_KEYS` leaves out of the graph key is proven to 
 compiled graph.
 
 One module fixture makes five short in-process runs of a one-layer model that compiles
-every graph a Llama run of the compiled runner builds (accum_step, train_step, stats_step --
-which also carries MaxLogits for Llama --, eval_step; the separate logit_stats forward is
-DeepSeek-V3's only): uncached, cold, warm, rms_norm_eps changed, every graph-free key
+every graph a Llama run of the compiled runner builds with two micro-batches (accum_step,
+update_step, stats_step -- the fused last micro-batch and update of a log step, which also
+carries MaxLogits for Llama --, eval_step; the fused train_step is a one-micro-batch run's,
+and the separate logit_stats forward is DeepSeek-V3's only): uncached, cold, warm, rms_norm_eps changed, every graph-free key
 changed (into a second store)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mindloom_train._config import from_dict
 from mindloom_train._graph_cache import GRAPH_FREE_KEYS
 from train_testutil import TINY_MODEL, base_config, events, run_config, step_records
 
-ROLES = {"accum_step", "train_step", "stats_step", "eval_step"}
+ROLES = {"accum_step", "update_step", "stats_step", "eval_step"}
 # the values a step record carries that depend on timing or memory, not on the graphs
 TIMING = re.compile(r"time|tokens_per_s|mfu|wait|rss|mem|comm|_s$|_s_ranks$")
 

@@ -34,7 +34,8 @@ from mindloom_train._throughput import ThroughputWindow
 
 
 class CompiledRunner:
-    """`_step.TrainStep` (+ `AccumStep` for all but the last micro-batch), `EvalStep`."""
+    """`_step.TrainStep`, or for several micro-batches `AccumStep` for each and
+    `UpdateStep`; `EvalStep`."""
 
     def __init__(self, built, cfg: Config, runtime, log: Callable[[str], None]):
         import mindspore as ms
@@ -137,11 +138,17 @@ class CompiledRunner:
         if self.ep is not None:
             self.ep.attach(self.train_step)
         self._init_stats(cfg, built, weights, flags, grad_red, loss_red, norm_red, log)
-        self.accum_step = (
-            _step.AccumStep(built.loss_net, weights, self.train_step.acc, moe=self.moe_parts)
-            if self.accum > 1
-            else None
-        )
+        # several micro-batches: each one is an AccumStep, then the UpdateStep (the
+        # TrainStep's update on the buffers, its state shared); `train_step` itself is then
+        # compiled only as the fused last micro-batch of a numerics log step (stats_step)
+        self.accum_step = self.update_step = None
+        if self.accum > 1:
+            self.accum_step = _step.AccumStep(built.loss_net, weights, self.train_step.acc,
+                                              moe=self.moe_parts)  # fmt: skip
+            self.update_step = _step.UpdateStep(
+                built.loss_net, weights, flags, self.accum, grad_red, loss_red,
+                moe=self.moe_parts, share=self.train_step, norm_reducer=norm_red, zero=zero_cell,
+            )  # fmt: skip
         self.eval_step = _step.EvalStep(eval_net, eval_red)
 
     def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, norm_red,
@@ -233,12 +240,19 @@ class CompiledRunner:
             hyper = Tensor(h)
         dkey = self._dropout_key(inp.step, self.accum - 1)
         with_numerics = self._log_step_stats(inp.step, batch, dkey)
-        role, train_step = (
-            ("stats_step", self.stats_step) if with_numerics else ("train_step", self.train_step)
-        )
-        loss_t, gnorm_t, ok_t, stop_t, *moe_t = self.graphs.run(
-            role, train_step, *tensors(batch), hyper, dkey
-        )
+        if with_numerics or self.update_step is None:
+            role, train_step = (
+                ("stats_step", self.stats_step)
+                if with_numerics
+                else ("train_step", self.train_step)
+            )
+            outs = self.graphs.run(role, train_step, *tensors(batch), hyper, dkey)
+        else:
+            last = self.graphs.run(
+                "accum_step", self.accum_step, *tensors(batch), inp.hyper(), dkey
+            )
+            outs = self.graphs.run("update_step", self.update_step, last, hyper)
+        loss_t, gnorm_t, ok_t, stop_t, *moe_t = outs
         if with_numerics and self.cfg.monitor.numerics:  # the last output; read at the record
             *moe_t, self.numerics.rows = moe_t
             if self.ep is not None:  # every rank is here (a log step): collective over ep

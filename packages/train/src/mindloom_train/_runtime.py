@@ -46,6 +46,10 @@ class Runtime:
         if c.max_device_memory:
             kwargs["max_device_memory"] = c.max_device_memory
         ms.set_context(**kwargs)
+        # MindSpore's default (1000 nested calls while it compiles a graph) is too few for
+        # DeepSeek-V3's update under data parallel with several micro-batches ("Exceed
+        # function call depth limit 1000", session 15); the limit only bounds recursion
+        ms.set_recursion_limit(10000)
         if c.num_threads:
             ms.set_context(runtime_num_threads=c.num_threads)
         ms.set_seed(self.cfg.seed)

@@ -117,15 +117,16 @@ class TrainStep(_Base):
         self.numerics = numerics
         self.views = tuple(sum_view(int(np.prod(p.shape))) for p in weights) if numerics else ()
         self.accum_steps = accum_steps
-        if zero is not None:
+        if share is not None:
+            # a second graph of the same step (numerics on, called at log steps only; or
+            # the update of an accumulated step, `UpdateStep`): it updates the very same
+            # moments and accumulation buffers as `share`
+            self.exp_avg, self.exp_avg_sq, self.acc = share.exp_avg, share.exp_avg_sq, share.acc
+        elif zero is not None:
             self.exp_avg, self.exp_avg_sq = zero.exp_avg, zero.exp_avg_sq
             self.acc = None
             if accum_steps > 1:
                 self._own_state(weights, accum_steps, moments=False)
-        elif share is not None:
-            # a second graph of the same step (numerics on, called at log steps only): it
-            # updates the very same moments and accumulation buffers as `share`
-            self.exp_avg, self.exp_avg_sq, self.acc = share.exp_avg, share.exp_avg_sq, share.acc
         else:
             self._own_state(weights, accum_steps)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
@@ -158,10 +159,22 @@ class TrainStep(_Base):
 
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
+        stats = None
         if self.moe is not None:
             loss, grads, stats = self._grads_moe(
                 tokens, labels, position_ids, segment_ids, loss_mask, scale
             )
+        else:
+            loss, grads = self._grads(
+                tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey
+            )
+        return self._update(loss, grads, stats, hyper, False)
+
+    def _update(self, loss, grads, stats, hyper, summed: bool):
+        """Everything after the backward: `grads` are this micro-batch's (the buffers are
+        added here) or, `summed`, the buffers' own sum of every micro-batch."""
+        scale = hyper[H_SCALE]
+        if self.moe is not None:
             if self.zero is not None:
                 # ZeRO-1 ranks' graphs differ (each updates other tensors), so every
                 # collective is put in one order: the backward's (ep exchange), the stats'
@@ -170,16 +183,12 @@ class TrainStep(_Base):
             stats = self.moe.finish(stats, hyper[H_NMICRO])
             if self.zero is not None:
                 grads = self._after(grads, stats)
-        else:
-            loss, grads = self._grads(
-                tokens, labels, position_ids, segment_ids, loss_mask, scale, dkey
-            )
         # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
         # unscaling multiplier `inv` is folded into the clip factor, so each gradient is
         # multiplied once, and its squared norm is a [1, n] x [n, 1] matmul (MindSpore's
         # CPU ReduceSum is several times slower than the matmul on these sizes)
         inv = hyper[H_GMULT] / (scale * hyper[H_NMICRO])
-        if self.acc is not None:
+        if self.acc is not None and not summed:
             out = ()
             for i in range(len(grads)):
                 out = out + (grads[i].astype(ms.float32) + self.acc[i],)
@@ -280,6 +289,27 @@ class TrainStep(_Base):
                 sum_all(v, r, c) / (r * c),
             )),)  # fmt: skip
         return ops.stack(rows)
+
+
+class UpdateStep(TrainStep):
+    """The update of an accumulated step (several micro-batches) as a graph of its own:
+    every micro-batch, the last one included, runs `AccumStep` (forward, backward, grads
+    added to the buffers), then this graph does what `TrainStep` does after its backward,
+    on the buffers' sums. Two graphs, forward+backward compiled once: a fused `TrainStep`
+    for the last micro-batch repeated the whole forward and backward in a second graph,
+    which doubled the compile (session 15 measured it). The sums are the same floats
+    (IEEE addition commutes: g_last + (g_1 + ...) == (g_1 + ...) + g_last). Its state
+    (moments, buffers) is the `TrainStep`'s it is built from (`share`)."""
+
+    def construct(self, loss, hyper):
+        stats = None
+        if self.moe is not None:  # every micro-batch's stats are in the buffer already
+            stats = ops.zeros_like(self.moe.acc)
+        grads = ()
+        for i in range(len(self.acc)):
+            # a value of its own: the buffers are emptied at the end of this graph
+            grads = grads + (self.acc[i] * 1.0,)
+        return self._update(loss, grads, stats, hyper, True)
 
 
 def sum_all(x, r: int, c: int):
