@@ -25,6 +25,55 @@ H_SIZE = 14
 
 _adamw = ops.AdamWeightDecay()
 
+# Per-parameter work as HyperMap over the parameter tuples, not Python loops in construct:
+# MindSpore's frontend parses and type-infers an unrolled loop of tuple concatenations per
+# element, ~50 ms per parameter and loop (a 130-tensor loop compiled in 6.9 s against 1.0 s
+# as a HyperMap, measured in session 15), which was most of the compile of an update graph.
+# The same ops per element, so the same floats.
+_map = ops.HyperMap()
+_accumulate = ops.MultitypeFuncGraph("accumulate")
+_plus_buffer = ops.MultitypeFuncGraph("plus_buffer")
+_copy = ops.MultitypeFuncGraph("copy")
+_square_sum = ops.MultitypeFuncGraph("square_sum")
+_adamw_update = ops.MultitypeFuncGraph("adamw_update")
+_zero = ops.MultitypeFuncGraph("zero")
+
+
+@_accumulate.register("Tensor", "Tensor")
+def _accumulate_one(acc, g):
+    return ops.assign_add(acc, g.astype(ms.float32))
+
+
+@_plus_buffer.register("Tensor", "Tensor")
+def _plus_buffer_one(g, acc):
+    return g.astype(ms.float32) + acc
+
+
+@_copy.register("Tensor")
+def _copy_one(x):
+    return x * 1.0
+
+
+@_square_sum.register("Tensor")
+def _square_sum_one(g):
+    # [1, n] x [n, 1]: MindSpore's CPU ReduceSum is several times slower on these sizes
+    flat = g.astype(ms.float32).reshape(1, -1)
+    return ops.matmul(flat, flat.T).reshape(())
+
+
+# lr, beta1, beta2, eps, weight decay, gradient factor (bound by partial); weight, exp_avg,
+# exp_avg_sq, its decay flag, gradient (mapped). A signature that matches no registration
+# runs as interpreted Python (PyExecute), which MindIR cannot hold: the compile cache fails
+@_adamw_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
+                        "Tensor", "Tensor", "Tensor", "Number", "Tensor")  # fmt: skip
+def _adamw_update_one(lr, b1, b2, eps, wd, factor, w, m, v, flag, g):
+    return _adamw(w, m, v, lr, b1, b2, eps, wd * flag, g.astype(ms.float32) * factor)
+
+
+@_zero.register("Tensor")
+def _zero_one(acc):
+    return ops.assign(acc, ops.zeros_like(acc))
+
 
 def decay_flags(params, decay_embeddings: bool) -> list[float]:
     """1.0 for weights that decay: matrices; never norms/biases (1-D); embeddings optional."""
@@ -83,9 +132,7 @@ class AccumStep(_Base):
             loss, grads = self._grads(
                 tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
             )
-        for i in range(len(self.acc)):
-            loss = ops.depend(loss, ops.assign_add(self.acc[i], grads[i].astype(ms.float32)))
-        return loss
+        return ops.depend(loss, _map(_accumulate, self.acc, grads))
 
 
 class TrainStep(_Base):
@@ -111,7 +158,7 @@ class TrainStep(_Base):
         self.zero = zero
         self.loss_net = loss_net
         self.weights = weights
-        self.flags = flags
+        self.flags = tuple(flags)  # a tuple: HyperMap maps it beside the parameter tuples
         # off (the default): the graph is exactly the plain step's. On: the step also
         # returns NUMERICS per parameter tensor (see layer_numerics)
         self.numerics = numerics
@@ -189,10 +236,7 @@ class TrainStep(_Base):
         # CPU ReduceSum is several times slower than the matmul on these sizes)
         inv = hyper[H_GMULT] / (scale * hyper[H_NMICRO])
         if self.acc is not None and not summed:
-            out = ()
-            for i in range(len(grads)):
-                out = out + (grads[i].astype(ms.float32) + self.acc[i],)
-            grads = out
+            grads = _map(_plus_buffer, grads, self.acc)
         # mean micro-batch loss over the step; then test-only poison (0.0 = exact no-op)
         loss = (loss.astype(ms.float32) + hyper[H_PREV_LOSS]) / hyper[H_NMICRO] + hyper[H_LPOISON]
         if self.zero is not None:
@@ -210,12 +254,9 @@ class TrainStep(_Base):
             loss, stop = both[0], both[1]
         if self.zero is None:
             grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
-        sq = ()
         if self.zero is not None and self.norm_reducer is not None:
             grads = self._after(grads, loss)  # the norm's all-reduce after the loss's
-        for g in grads:
-            flat = g.astype(ms.float32).reshape(1, -1)
-            sq = sq + (ops.matmul(flat, flat.T).reshape(()),)
+        sq = _map(_square_sum, grads)
         total = ops.addn(sq) if self.norm_reducer is None else self.norm_reducer(sq)
         gnorm = ops.sqrt(total) * ops.abs(inv)
         ok = ops.logical_and(ops.isfinite(loss), ops.isfinite(gnorm))
@@ -236,11 +277,16 @@ class TrainStep(_Base):
                                         hyper[H_EPS], hyper[H_WD], loss)  # fmt: skip
             # outside the branch: every rank joins the share whether the update ran or not
             loss = self.zero.share(loss)
+        elif not self.numerics:  # (a constant: the branch below is a graph's own)
+            if ok:
+                done = _map(ops.partial(_adamw_update, hyper[H_LR], hyper[H_B1], hyper[H_B2],
+                                        hyper[H_EPS], hyper[H_WD], factor),
+                            self.weights, self.exp_avg, self.exp_avg_sq, self.flags, grads)  # fmt: skip
+                loss = ops.depend(loss, done)
         elif ok:
             for i in range(len(grads)):
                 g_in = grads[i].astype(ms.float32) * factor
-                if self.numerics:
-                    g_in = ops.depend(g_in, before[i])
+                g_in = ops.depend(g_in, before[i])
                 r = _adamw(
                     self.weights[i],
                     self.exp_avg[i],
@@ -254,8 +300,7 @@ class TrainStep(_Base):
                 )
                 loss = ops.depend(loss, r)
         if self.acc is not None:
-            for i in range(len(self.acc)):
-                loss = ops.depend(loss, ops.assign(self.acc[i], ops.zeros_like(self.acc[i])))
+            loss = ops.depend(loss, _map(_zero, self.acc))
         if self.moe is not None:
             loss = self.moe.update(stats, ok, loss)
             if self.numerics:
@@ -305,10 +350,8 @@ class UpdateStep(TrainStep):
         stats = None
         if self.moe is not None:  # every micro-batch's stats are in the buffer already
             stats = ops.zeros_like(self.moe.acc)
-        grads = ()
-        for i in range(len(self.acc)):
-            # a value of its own: the buffers are emptied at the end of this graph
-            grads = grads + (self.acc[i] * 1.0,)
+        # values of their own: the buffers are emptied at the end of this graph
+        grads = _map(_copy, self.acc)
         return self._update(loss, grads, stats, hyper, True)
 
 
