@@ -240,13 +240,10 @@ class CompiledRunner:
             hyper = Tensor(h)
         dkey = self._dropout_key(inp.step, self.accum - 1)
         with_numerics = self._log_step_stats(inp.step, batch, dkey)
-        if with_numerics or self.update_step is None:
-            role, train_step = (
-                ("stats_step", self.stats_step)
-                if with_numerics
-                else ("train_step", self.train_step)
-            )
-            outs = self.graphs.run(role, train_step, *tensors(batch), hyper, dkey)
+        if with_numerics:
+            outs = self.graphs.run("stats_step", self.stats_step, *tensors(batch), hyper, dkey)
+        elif self.update_step is None:
+            outs = self.graphs.run("train_step", self.train_step, *tensors(batch), hyper, dkey)
         else:
             last = self.graphs.run(
                 "accum_step", self.accum_step, *tensors(batch), inp.hyper(), dkey

@@ -23,56 +23,16 @@ H_LR, H_B1, H_B2, H_EPS, H_WD, H_CLIP, H_SPIKE, H_SCALE, H_LPOISON, H_GPOISON, H
 H_PREV_LOSS, H_NMICRO, H_STOP = 11, 12, 13
 H_SIZE = 14
 
-_adamw = ops.AdamWeightDecay()
-
-# Per-parameter work as HyperMap over the parameter tuples, not Python loops in construct:
-# MindSpore's frontend parses and type-infers an unrolled loop of tuple concatenations per
-# element, ~50 ms per parameter and loop (a 130-tensor loop compiled in 6.9 s against 1.0 s
-# as a HyperMap, measured in session 15), which was most of the compile of an update graph.
-# The same ops per element, so the same floats.
-_map = ops.HyperMap()
-_accumulate = ops.MultitypeFuncGraph("accumulate")
-_plus_buffer = ops.MultitypeFuncGraph("plus_buffer")
-_copy = ops.MultitypeFuncGraph("copy")
-_square_sum = ops.MultitypeFuncGraph("square_sum")
-_adamw_update = ops.MultitypeFuncGraph("adamw_update")
-_zero = ops.MultitypeFuncGraph("zero")
-
-
-@_accumulate.register("Tensor", "Tensor")
-def _accumulate_one(acc, g):
-    return ops.assign_add(acc, g.astype(ms.float32))
-
-
-@_plus_buffer.register("Tensor", "Tensor")
-def _plus_buffer_one(g, acc):
-    return g.astype(ms.float32) + acc
-
-
-@_copy.register("Tensor")
-def _copy_one(x):
-    return x * 1.0
-
-
-@_square_sum.register("Tensor")
-def _square_sum_one(g):
-    # [1, n] x [n, 1]: MindSpore's CPU ReduceSum is several times slower on these sizes
-    flat = g.astype(ms.float32).reshape(1, -1)
-    return ops.matmul(flat, flat.T).reshape(())
-
-
-# lr, beta1, beta2, eps, weight decay, gradient factor (bound by partial); weight, exp_avg,
-# exp_avg_sq, its decay flag, gradient (mapped). A signature that matches no registration
-# runs as interpreted Python (PyExecute), which MindIR cannot hold: the compile cache fails
-@_adamw_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                        "Tensor", "Tensor", "Tensor", "Number", "Tensor")  # fmt: skip
-def _adamw_update_one(lr, b1, b2, eps, wd, factor, w, m, v, flag, g):
-    return _adamw(w, m, v, lr, b1, b2, eps, wd * flag, g.astype(ms.float32) * factor)
-
-
-@_zero.register("Tensor")
-def _zero_one(acc):
-    return ops.assign(acc, ops.zeros_like(acc))
+from mindloom_train._step_maps import (  # noqa: E402
+    _accumulate,
+    _adamw,
+    _adamw_update,
+    _copy,
+    _map,
+    _plus_buffer,
+    _square_sum,
+    _zero,
+)
 
 
 def decay_flags(params, decay_embeddings: bool) -> list[float]:
