@@ -231,14 +231,38 @@ def zero_arms(args, groups) -> dict:
     return out
 
 
-def _time_engine(engine, tokens, labels, steps):
-    """tp2 through the PyNative ParallelEngine plus an in-place SGD update."""
+def _sgd_graph(params):
+    """SGD over `params` as one compiled graph: the compiled pipeline's update, as the
+    trainer pairs `PipelineGraph` with one compiled AdamW graph (`ZeroAdamWGraph`)."""
+    import mindspore as ms
+    from mindspore import nn
+
+    class SGD(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.params = ms.ParameterTuple(params)
+            self.opt = nn.SGD(self.params, learning_rate=0.1)
+
+        @ms.jit
+        def construct(self, grads):
+            return self.opt(grads)
+
+    sgd = SGD()
+    return lambda grads: sgd(tuple(grads))
+
+
+def _time_engine(engine, tokens, labels, steps, update=None):
+    """An engine's forward_backward plus an SGD update: in place op by op (PyNative, the
+    engine's `context.mode: pynative` path), or `update(grads)` (a compiled graph)."""
     from mindspore import ops
 
     batch = {"tokens": tokens, "labels": labels}
 
     def one():
         loss, grads = engine.forward_backward(batch)
+        if update is not None:
+            update(grads)
+            return loss
         for p, g in zip(engine.params, grads):
             ops.assign(p, p - 0.1 * g)
         return loss
@@ -289,8 +313,9 @@ def pp_arms(args) -> dict:
     for key, cls, steps in (("pp2_compiled", PipelineGraph, args.steps),
                             ("pp2_engine", ParallelEngine, args.engine_steps)):  # fmt: skip
         engine = cls(Llama(cfg), pcfg, groups, micro_batch_size=mbs)
+        update = _sgd_graph(engine.params) if cls is PipelineGraph else None
         out[key + "_s"] = statistics.median(
-            _time_engine(engine, tokens, labels, steps) for _ in range(args.repeats)
+            _time_engine(engine, tokens, labels, steps, update) for _ in range(args.repeats)
         )
         out[key + "_share"] = engine.metrics["comm_share"]
     return out
@@ -326,6 +351,8 @@ def worker(args) -> int:
     from mindspore import Tensor
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    if args.worker_threads:
+        ms.set_context(runtime_num_threads=args.worker_threads)
     cfg = get_preset(args.preset)
     pcfg = ParallelConfig(dp=2)
     groups = init_parallel(pcfg, cfg)
@@ -375,6 +402,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", action="store_true", help="also time pp2 compiled and engine")
     ap.add_argument("--pp-micro", type=int, default=4, help="micro-batches of the pp2 arms")
     ap.add_argument("--engine-steps", type=int, default=3, help="steps of the engine arm")
+    ap.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="MindSpore runtime threads per msrun worker (0: MindSpore's default)",
+    )
     ap.add_argument("--as-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result-dir", default="", help=argparse.SUPPRESS)
@@ -478,6 +511,7 @@ def _fwd(args):
         "--preset", args.preset, "--global-batch", str(args.global_batch),
         "--seq", str(args.seq), "--steps", str(args.steps), "--repeats", "2",
         "--engine-steps", str(args.engine_steps), "--pp-micro", str(args.pp_micro),
+        "--worker-threads", str(args.worker_threads),
     ] + (["--tp"] if args.tp else []) + (["--pp"] if args.pp else []) + (["--tp-sp"] if args.tp_sp else []) + (
         ["--zero"] if args.zero else [])  # fmt: skip
 

@@ -283,9 +283,10 @@ def test_zero1_matches_and_ranks_agree_on_skips_and_stops(runs):
 
 
 def test_pipeline_layouts_choose_the_compiled_stages_in_graph_mode_only():
-    """The one choice of step for pp (issue 16): pp > 1 without tp in graph mode runs the
-    compiled stage graphs (_pp_step), with any dp / ZeRO-1; pynative and pp with tp keep
-    the engine; no other compiled step claims a pipeline layout."""
+    """The one choice of step for pp (issue 16): pp > 1 in graph mode runs the compiled
+    stage graphs (_pp_step), with any dp / ZeRO-1 and with tp (+ sp) inside a stage
+    (session 16; its 4-worker launch is `test_train_parallel_four.py`); pynative keeps the
+    engine; no other compiled step claims a pipeline layout."""
     from mindloom_parallel import ParallelDims
     from mindloom_train._pp_step import compiled_pp
     from mindloom_train._tp_step import compiled_tp
@@ -296,7 +297,9 @@ def test_pipeline_layouts_choose_the_compiled_stages_in_graph_mode_only():
         (dict(dp=2, pp=2, micro_batch_num=2), "graph", True),
         (dict(dp=2, pp=2, zero_stage=1), "graph", True),
         (dict(pp=2, micro_batch_num=2), "pynative", False),
-        (dict(tp=2, pp=2, micro_batch_num=2), "graph", False),
+        (dict(tp=2, pp=2, micro_batch_num=2), "graph", True),
+        (dict(tp=2, pp=2, sequence_parallel=True, micro_batch_num=2), "graph", True),
+        (dict(tp=2, pp=2, micro_batch_num=2), "pynative", False),
         (dict(tp=2), "graph", False),
         (dict(dp=2, zero_stage=1), "graph", False),
     ]

@@ -353,11 +353,11 @@ def estimate(
     inv_dense, inv_moe, n_moe = _block_inventories(mcfg, c, notes)
     recomputed = _recomputed_layers(mcfg)
     cpu_graph = is_cpu and cfg.context.mode == "graph" and not lay.engine
-    # pp without tp in graph mode (_pp_step.compiled_pp): the engine runner's schedule over
-    # two compiled graphs per stage, the forward and the backward (with its recomputed
-    # forward); each holds the stage's layers in the graph compiler (pp2 debug: peaks 577
-    # and 593 MiB against 569 estimated, 469 without this term)
-    pp_graphs = is_cpu and lay.engine and lay.pp > 1 and lay.tp == 1 and cfg.context.mode == "graph"
+    # pp in graph mode (_pp_step.compiled_pp, tp inside a stage included): the engine
+    # runner's schedule over two compiled graphs per stage, the forward and the backward
+    # (with its recomputed forward); each holds the stage's layers in the graph compiler
+    # (pp2 debug: peaks 577 and 593 MiB against 569 estimated, 469 without this term)
+    pp_graphs = is_cpu and lay.engine and lay.pp > 1 and cfg.context.mode == "graph"
     acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph)
     stage_act, stage_tot, comps_by_stage = [], [], []
     for st in range(lay.pp):

@@ -23,10 +23,10 @@ __all__ = ["CompiledPPStep", "PPRunner", "compiled_pp"]
 
 
 def compiled_pp(dims, mode: str) -> bool:
-    """Whether a layout runs the compiled pipeline stages: pp > 1 without tensor parallel,
-    in graph mode. pp with tp (the graph region cells inside a stage) is built but not yet
-    checked against one process under msrun, so it keeps the engine."""
-    return dims.pp > 1 and dims.tp == 1 and mode == "graph"
+    """Whether a layout runs the compiled pipeline stages: pp > 1 in graph mode, with or
+    without tensor / sequence parallel inside a stage (`PipelineGraph` splits each stage
+    with the compiled tensor-parallel step's graph region cells)."""
+    return dims.pp > 1 and mode == "graph"
 
 
 class CompiledPPStep(EngineStep):
