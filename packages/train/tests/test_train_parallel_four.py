@@ -1,20 +1,21 @@
-"""`mindloom launch --nproc 4` with tensor, sequence and pipeline parallel together (tp2 +
-sp inside each of two compiled pipeline stages: `_pp_step` over `PipelineGraph`), against
-one process (real msrun, 4 CPU workers).
+"""`mindloom launch --nproc 4` with tensor parallel composed with pipeline parallel and with
+ZeRO-1, against one process (real msrun, 4 CPU workers each, both launches at once):
 
-Opt-in (`slow`, ~110 CPU-s for the four workers' start and compiles): the default suite
-holds the same numerics at the `PipelineGraph` level (`tp2_pp2_sp_compiled` in
-mindloom-parallel's 4-worker launch, losses and weights against one process) and the
-trainer's glue around `PipelineGraph` (guards, per-rank checkpoints, evaluation, resume) in
-the 2-worker pp2 launch of `test_train_parallel_launch.py`; what only this file runs is the
-two together through the trainer. docs/testing.md lists it.
+- L: tp2 x pp2 + sp (the compiled stages `_pp_step` over `PipelineGraph`, tp's region cells
+  inside each stage), 2 micro-batches of 2;
+- Z: dp2 x tp2 + sp + ZeRO-1 (the compiled tp step with `ZeroShardUpdate` over each tp
+  rank's data-parallel group), 2 micro-batches of 1 per rank;
+- R: one process, the global batch of 4; every run 4 steps, saves at steps 2 and 4;
+- each launch's step-2 checkpoint (every rank its own files) resumed on one process.
+Tied embeddings (pp: the first and last stage sum the embedding's gradient) and a
+vocabulary split over tp (66 ids).
 
-- R: one process, 4 steps, the global batch of 4, saves at steps 2 and 4;
-- L: tp2 x pp2 + sp, 2 micro-batches of 2, the same saves;
-- O: L's step-2 checkpoint (8 files: every rank its tp slice of its stage) resumed on one
-  process for steps 3-4.
-Tied embeddings (the first and last stage sum the embedding's gradient) and a vocabulary
-split over tp (66 ids).
+Opt-in (`slow`, ~200 CPU-s for eight workers' start and compiles): the default suite holds
+L's numerics at the `PipelineGraph` level (`tp2_pp2_sp_compiled` in mindloom-parallel's
+4-worker launch, losses and weights against one process), the compiled tp step and the
+compiled ZeRO-1 update each in a 2-worker launch of `test_train_parallel_launch.py`
+(losses, weights, moments, resume); what only this file runs is them composed through the
+trainer. docs/testing.md lists it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from train_testutil import (
 pytestmark = [pytest.mark.msrun, pytest.mark.slow]
 
 STEPS, SAVE = 4, 2
-LAYOUT = {"tp": 2, "pp": 2, "sequence_parallel": True, "micro_batch_num": 2}
+LAYOUTS = {
+    "l": ({"tp": 2, "pp": 2, "sequence_parallel": True, "micro_batch_num": 2},
+          {"micro_batch_size": 2}),
+    "z": ({"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1},
+          {"micro_batch_size": 1}),
+}  # fmt: skip
+STEP_LINE = {"l": "compiled pipeline parallel", "z": "ZeRO-1 in the compiled tensor-parallel step"}
 
 
 def _config(prepared, run: Path, **sections) -> dict:
@@ -55,39 +62,46 @@ def _config(prepared, run: Path, **sections) -> dict:
 @pytest.fixture(scope="module")
 def runs(prepared, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parallel_four")
-    out = {"ref": root / "ref", "l": root / "l"}
-    cfg = _config(prepared, out["l"], parallelism=LAYOUT, training={"micro_batch_size": 2})
-    procs = {"l": start_launch(cfg, root / "l.yaml", nproc=4, timeout_s=500)}
+    out = {"ref": root / "ref"}
+    procs = {}
+    for name, (parallelism, training) in LAYOUTS.items():
+        out[name] = root / name
+        cfg = _config(prepared, out[name], parallelism=parallelism, training=training)
+        procs[name] = start_launch(cfg, root / f"{name}.yaml", nproc=4, timeout_s=700)
+        out[name + "_cfg"] = cfg
     try:
         assert run_config(_config(prepared, out["ref"])) == 0  # while the workers start
-        wait_launches(procs, timeout_s=560)
+        wait_launches(procs, timeout_s=760)
     finally:
-        stop_launches(procs, {"l": out["l"] / "msrun_logs"})
-    out["l_cfg"] = cfg
+        stop_launches(procs, {name: out[name] / "msrun_logs" for name in procs})
     return out
 
 
-def test_tp2_pp2_sp_runs_the_compiled_stages_and_equals_one_process(runs):
-    logs = sorted((runs["l"] / "msrun_logs").glob("worker_*.log"))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_launch_runs_its_compiled_step_and_equals_one_process(runs, name):
+    logs = sorted((runs[name] / "msrun_logs").glob("worker_*.log"))
     assert len(logs) == 4
     for log in logs:
-        assert "compiled pipeline parallel" in log.read_text(errors="replace"), log.name
-    got, ref = step_records(runs["l"]), step_records(runs["ref"])
+        assert STEP_LINE[name] in log.read_text(errors="replace"), log.name
+    got, ref = step_records(runs[name]), step_records(runs["ref"])
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:
         assert got[step]["step_loss"] == pytest.approx(ref[step]["step_loss"], rel=1e-5), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), step
         assert got[step]["consumed_samples"] == ref[step]["consumed_samples"]
         assert len(got[step]["comm_s_ranks"]) == 4 and got[step]["comm_s"] > 0
-    ev, ref_ev = events(runs["l"], "eval")[-1], events(runs["ref"], "eval")[-1]
+    # (the held-out batches follow each layout's micro-batch size: other samples than R's
+    # for Z, whose ranks evaluate micro-batches of 1)
+    ev, ref_ev = events(runs[name], "eval")[-1], events(runs["ref"], "eval")[-1]
     assert ev["step"] == ref_ev["step"] == STEPS and 0 < ev["loss"] < 10
-    assert events(runs["l"], "start")[0]["world_size"] == 4
+    assert events(runs[name], "start")[0]["world_size"] == 4
 
 
-def test_tp2_pp2_sp_final_weights_and_moments_equal_one_process(runs):
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_final_weights_and_moments_equal_one_process(runs, name):
     from mindloom_train._checkpoint import open_checkpoint
 
-    a = open_checkpoint(runs["l"] / "checkpoints").load_tensors()
+    a = open_checkpoint(runs[name] / "checkpoints").load_tensors()
     b = open_checkpoint(runs["ref"] / "checkpoints").load_tensors()
     assert set(a) == set(b) and "lm_head.weight" not in a  # tied: one embedding tensor
     # as test_train_parallel_launch.py: an element whose gradient is ~0 may move by up to lr
@@ -97,15 +111,42 @@ def test_tp2_pp2_sp_final_weights_and_moments_equal_one_process(runs):
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
-def test_tp2_pp2_sp_checkpoint_resumes_on_one_process(runs, tmp_path):
-    step_dir = runs["l"] / "checkpoints" / "step_00000002"
-    # every rank wrote its own files: its tp slice of its stage
-    assert len(list(step_dir.glob("model-*.safetensors"))) == 4
+def test_zero1_ranks_write_the_moments_they_own(runs):
+    """Z's step-2 checkpoint: every moment block written once, by the data-parallel rank
+    that owns the tensor (both moments of a tensor by the same one, each tp rank its
+    slice), each dp rank owning part of the tensors; the weights by dp rank 0 only."""
+    import json
+
+    meta = json.loads((runs["z"] / "checkpoints" / "step_00000002" / "metadata.json").read_text())
+    rank_of = lambda chunk: int(chunk["file"].split("-")[1])  # noqa: E731
+    tp = 2  # rank = dp_rank * tp + tp_rank
+    owner = {}
+    for name, spec in meta["tensors"].items():
+        ranks = [rank_of(c) for c in spec["chunks"]]
+        offsets = [tuple(c["offset"]) for c in spec["chunks"]]
+        assert (
+            len(set(offsets)) == len(offsets) == (tp if spec["split"]["tp_axis"] is not None else 1)
+        ), name
+        dp_ranks = {r // tp for r in ranks}
+        assert len(dp_ranks) == 1, (name, ranks)  # one owner (or dp rank 0 for weights)
+        if name.startswith("exp_avg"):
+            owner[name] = dp_ranks.pop()
+        else:
+            assert dp_ranks == {0}, name
+    for name, dp_rank in owner.items():
+        if name.startswith("exp_avg."):
+            assert owner["exp_avg_sq." + name[len("exp_avg.") :]] == dp_rank, name
+    assert set(owner.values()) == {0, 1}  # the state is split over the data-parallel ranks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_launch_checkpoint_resumes_on_one_process(runs, name, tmp_path):
+    step_dir = runs[name] / "checkpoints" / "step_00000002"
     save = tmp_path / "ckpt"
     save.mkdir()
     shutil.copytree(step_dir, save / "step_00000002")
     (save / "latest").write_text(f"{SAVE}\n")
-    cfg = {k: v for k, v in runs["l_cfg"].items() if k not in ("eval_dataset", "parallelism")}
+    cfg = {k: v for k, v in runs[name + "_cfg"].items() if k not in ("eval_dataset", "parallelism")}
     cfg["training"] = {**cfg["training"], "micro_batch_size": 4}
     cfg["run_dir"] = str(tmp_path / "resumed")
     cfg["checkpoint"] = {**cfg["checkpoint"], "save_path": str(save), "resume": "required"}

@@ -28,9 +28,10 @@ def test_every_combination_of_rank_flags_decodes_to_their_or():
 
 
 def test_tensor_parallel_compiles_in_graph_mode_and_keeps_the_engine_in_pynative():
-    """The one choice of step for tp (issue 16, first slice): tp alone or with sequence
-    parallel is compiled in graph mode; pynative, pipeline stages and ZeRO-1 keep the
-    engine (ParallelDims.needs_engine), plain data parallel was compiled before."""
+    """The one choice of step for tp (issue 16): tp alone, with sequence parallel or with
+    ZeRO-1 (session 16) is the compiled tp step in graph mode; pynative keeps the engine
+    (ParallelDims.needs_engine), pipeline stages are the compiled stages' (`_pp_step`),
+    plain data parallel was compiled before."""
     from mindloom_parallel import ParallelDims
     from mindloom_train._tp_step import compiled_tp
 
@@ -39,7 +40,9 @@ def test_tensor_parallel_compiles_in_graph_mode_and_keeps_the_engine_in_pynative
         (dict(tp=2, sequence_parallel=True), "graph", True),
         (dict(tp=2), "pynative", False),
         (dict(tp=2, pp=2), "graph", False),
-        (dict(tp=2, dp=2, zero_stage=1), "graph", False),
+        (dict(tp=2, dp=2, zero_stage=1), "graph", True),
+        (dict(tp=2, dp=2, zero_stage=1, sequence_parallel=True), "graph", True),
+        (dict(tp=2, dp=2, zero_stage=1), "pynative", False),
         (dict(dp=2), "graph", False),  # the data-parallel compiled step, not this one
     ]
     for kw, mode, want in cases:
@@ -50,8 +53,10 @@ def test_tensor_parallel_compiles_in_graph_mode_and_keeps_the_engine_in_pynative
 
 def test_zero1_compiles_for_plain_data_parallel_in_graph_mode_only():
     """The one choice of step for ZeRO-1 (issue 16): dp > 1 with zero_stage 1 and neither
-    tp nor pp is the compiled step (_zero_step) in graph mode; pynative, tp or pp with it,
-    or dp = 1 keep the engine; tp and ZeRO-1 never both claim a layout."""
+    tp nor pp is the compiled data-parallel step (_zero_step) in graph mode; with tp it is
+    the compiled tp step's (its update `_zero_step.CompiledZero` on the local shards), with
+    pp the compiled stages'; pynative or dp = 1 keep the engine; the data-parallel and the
+    tp step never both claim a layout."""
     from mindloom_parallel import ParallelDims
     from mindloom_train._tp_step import compiled_tp
     from mindloom_train._zero_step import compiled_zero

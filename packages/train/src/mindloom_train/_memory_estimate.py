@@ -191,8 +191,8 @@ def _layout(cfg, mcfg, nproc: int | None) -> _Layout:
         raise _cfg_error(f"config parallelism: ep={ep} must divide dp={dp} and the "
                          f"{mcfg.n_routed_experts} routed experts")  # fmt: skip
     engine = world > 1 and (tp > 1 or pp > 1 or zero)
-    if engine and pp == 1 and (not zero or tp == 1) and cfg.context.mode == "graph":
-        engine = False  # tp alone, dp + ZeRO-1: compiled steps (_tp_step, _zero_step)
+    if engine and pp == 1 and cfg.context.mode == "graph":
+        engine = False  # tp, tp + ZeRO-1, dp + ZeRO-1: compiled steps (_tp_step, _zero_step)
     micro = p.micro_batch_num if (p.micro_batch_num > 1 or pp > 1) else cfg.grad_accum_steps
     if not engine:
         micro = cfg.grad_accum_steps

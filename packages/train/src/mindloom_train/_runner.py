@@ -113,6 +113,13 @@ class CompiledRunner:
             from mindloom_train._zero_step import CompiledZero
 
             self.zero = CompiledZero(self.params, cfg, runtime, flags, log)
+        elif self.tp is not None and p.zero_stage == 1 and dp_size > 1:
+            # tp + ZeRO-1: the same owned-shard update on this rank's local shards, over
+            # its data-parallel group (every rank of it holds the same tp slices)
+            from mindloom_train._zero_step import CompiledZero
+
+            self.zero = CompiledZero(self.params, cfg, runtime, flags, log,
+                                     "ZeRO-1 in the compiled tensor-parallel step")  # fmt: skip
         self.moe_parts, self.moe_window = None, None
         eval_net = built.loss_net
         if isinstance(built.loss_net, MoELossNet) and self.zero is not None:
@@ -134,7 +141,7 @@ class CompiledRunner:
             norm_reducer=norm_red, zero=zero_cell,
         )  # fmt: skip
         if self.tp is not None:
-            self.tp.attach(self.train_step, flags)
+            self.tp.attach(self.train_step, flags, self.zero)
         if self.ep is not None:
             self.ep.attach(self.train_step)
         self._init_stats(cfg, built, weights, flags, grad_red, loss_red, norm_red, log)

@@ -23,8 +23,10 @@ from mindloom_train import _checkpoint as ck
 
 def compiled_tp(dims, mode: str) -> bool:
     """Whether a layout runs the compiled tensor-parallel step: tp > 1 without pipeline
-    stages or ZeRO-1, in graph mode (`context.mode: pynative` keeps the engine)."""
-    return dims.tp > 1 and dims.pp == 1 and dims.zero_stage == 0 and mode == "graph"
+    stages, in graph mode (`context.mode: pynative` keeps the engine). With ZeRO-1 (dp > 1)
+    the step's update is `ZeroShardUpdate` over each tp rank's data-parallel group
+    (`_zero_step.CompiledZero` on the local shards)."""
+    return dims.tp > 1 and dims.pp == 1 and mode == "graph"
 
 
 class CompiledTP:
@@ -69,10 +71,16 @@ class CompiledTP:
         log(f"parallel: {g.describe()}; compiled tensor parallel{sp} (GRAPH_MODE), "
             f"{len(params)} local tensors ({total / 1e6:.3f}M values)")  # fmt: skip
 
-    def attach(self, train_step, decay_flags) -> None:
+    def attach(self, train_step, decay_flags, zero=None) -> None:
         """Checkpoint I/O over the step's own moments: a ``ZeroAdamW`` (zero_stage 0) whose
-        moment tensors are the `TrainStep`'s, used only to gather and load them."""
+        moment tensors are the `TrainStep`'s, used only to gather and load them; under
+        ZeRO-1 (`zero`, a `_zero_step.CompiledZero`) its zero_stage-1 one over the owned
+        moments."""
         from mindloom_parallel import ZeroAdamW
+
+        if zero is not None:
+            self.io = zero.io
+            return
 
         io = ZeroAdamW(self.params, self.names, self.groups, 0, decay_flags)
         io.exp_avg = dict(enumerate(train_step.exp_avg))

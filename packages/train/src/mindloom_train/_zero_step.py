@@ -35,7 +35,8 @@ def compiled_zero(dims, mode: str) -> bool:
 class CompiledZero:
     """The ZeRO-1 update cell of a compiled data-parallel step and its checkpoint I/O."""
 
-    def __init__(self, params, cfg, runtime, decay_flags, log: Callable[[str], None]):
+    def __init__(self, params, cfg, runtime, decay_flags, log: Callable[[str], None],
+                 step: str = "compiled data parallel + ZeRO-1 (GRAPH_MODE)"):  # fmt: skip
         from mindloom_parallel import ZeroAdamW, ZeroShardUpdate
 
         g = runtime.groups
@@ -52,7 +53,7 @@ class CompiledZero:
         self.io = io
         total = sum(self.cell.sizes)
         mine = self.cell.state_values
-        log(f"parallel: {g.describe()}; compiled data parallel + ZeRO-1 (GRAPH_MODE), AdamW "
+        log(f"parallel: {g.describe()}; {step}, AdamW "
             f"state for {mine / 1e6:.3f}M of {total / 1e6:.3f}M values on this rank "
             f"({8 * mine / 2**20:.2f} MiB, plain dp {8 * total / 2**20:.2f} MiB)")  # fmt: skip
 
