@@ -1,10 +1,11 @@
 """One training step, two ways, chosen once per run.
 
 `CompiledRunner`: the compiled step of `_step.py` (one process, plain data parallel with
-the gradient all-reduce inside the graph, or tensor parallel with its collectives inside
-the graph: `_tp_step`). `EngineRunner`: `_parallel.EngineStep`, the PyNative
-`ParallelEngine` under a pipeline / ZeRO-1 layout, or tensor parallel in pynative mode. Both also own the
-model state's way in and out of a checkpoint and their evaluation forward.
+the gradient all-reduce inside the graph, ZeRO-1, tensor parallel with its collectives
+inside the graph: `_tp_step`, expert parallel: `_ep_step`). `EngineRunner`:
+`_parallel.EngineStep`, the PyNative `ParallelEngine` (`context.mode: pynative`), and as
+`_pp_step.PPRunner` the compiled pipeline stages. Both also own the model state's way in
+and out of a checkpoint and their evaluation forward.
 
 The stop rule both follow, and what the loop hands a runner, are in `_step_io`.
 """
@@ -144,7 +145,7 @@ class CompiledRunner:
             self.tp.attach(self.train_step, flags, self.zero)
         if self.ep is not None:
             self.ep.attach(self.train_step)
-        self._init_stats(cfg, built, weights, flags, grad_red, loss_red, norm_red, log)
+        self._init_stats(cfg, built, weights, log)
         # several micro-batches: each one is an AccumStep, then the UpdateStep (the
         # TrainStep's update on the buffers, its state shared); `train_step` itself is then
         # compiled only as the fused last micro-batch of a numerics log step (stats_step)
@@ -152,21 +153,16 @@ class CompiledRunner:
         if self.accum > 1:
             self.accum_step = _step.AccumStep(built.loss_net, weights, self.train_step.acc,
                                               moe=self.moe_parts)  # fmt: skip
-            self.update_step = _step.UpdateStep(
-                built.loss_net, weights, flags, self.accum, grad_red, loss_red,
-                moe=self.moe_parts, share=self.train_step, norm_reducer=norm_red, zero=zero_cell,
-            )  # fmt: skip
+            self.update_step = self.train_step.sibling(_step.UpdateStep)
         self.eval_step = _step.EvalStep(eval_net, eval_red)
 
-    def _init_stats(self, cfg: Config, built, weights, flags, grad_red, loss_red, norm_red,
-                    log) -> None:  # fmt: skip
+    def _init_stats(self, cfg: Config, built, weights, log) -> None:
         """monitor.numerics / monitor.max_logits, at log steps only (`NumericsFields.wanted`):
         `stats_step` is a second graph of the same update (the same weights, moments and
         buffers), with the numerics and, for Llama, a loss net that also leaves the
         MaxLogits of its forward in a buffer; DeepSeek-V3's MaxLogits is a forward of its
         own. Every other step runs the plain `train_step`. Expert parallel: the numerics
         rows of the expert blocks are combined over the ep group (`_ep_step`)."""
-        from mindloom_train import _step
         from mindloom_train._numerics import NumericsFields, logit_stats, loss_with_logit_stats
 
         mon = cfg.monitor
@@ -197,10 +193,7 @@ class CompiledRunner:
         elif mon.max_logits:
             log("monitor: max_logits is not computed for deepseek_v3 with dropout")
         if mon.numerics or self.logit_buffer is not None:
-            self.stats_step = _step.TrainStep(
-                loss_net, weights, flags, self.accum, grad_red, loss_red,
-                moe=self.moe_parts, numerics=mon.numerics, share=self.train_step,
-                norm_reducer=norm_red)  # fmt: skip
+            self.stats_step = self.train_step.sibling(loss_net=loss_net, numerics=mon.numerics)
 
     def _log_step_stats(self, step: int, batch, dkey) -> bool:
         """At a log step: DeepSeek-V3's logit statistics of `batch` (weights before the

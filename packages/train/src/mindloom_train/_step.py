@@ -25,8 +25,8 @@ H_SIZE = 14
 
 from mindloom_train._step_maps import (  # noqa: E402
     _accumulate,
-    _adamw,
     _adamw_update,
+    _after,
     _copy,
     _map,
     _plus_buffer,
@@ -145,6 +145,15 @@ class TrainStep(_Base):
         # the expert biases after an applied update
         self.moe = moe
 
+    def sibling(self, cls=None, loss_net=None, numerics: bool = False) -> TrainStep:
+        """Another graph of this step over the same state (moments, buffers) and the same
+        reducers: the numerics log step (`loss_net` the MaxLogits one where asked), or
+        `UpdateStep` (no forward: it gets no loss net)."""
+        cls = TrainStep if cls is None else cls
+        return cls(loss_net, self.weights, list(self.flags), self.accum_steps,
+                   self.grad_reducer, self.loss_reducer, moe=self.moe, numerics=numerics,
+                   share=self, norm_reducer=self.norm_reducer, zero=self.zero)  # fmt: skip
+
     def _own_state(self, weights, accum_steps: int, moments: bool = True) -> None:
         if not moments:
             self.acc = ms.ParameterTuple(
@@ -229,36 +238,19 @@ class TrainStep(_Base):
         before = ()
         if self.numerics:
             # copies of the weights as they were; each update below waits for its copy
-            for i in range(len(grads)):
-                before = before + (self.weights[i] * 1.0,)
+            before = _map(_copy, self.weights)
+            grads = _map(_after, grads, before)
         if self.zero is not None:
             if ok:
                 loss = self.zero.update(grads, factor, hyper[H_LR], hyper[H_B1], hyper[H_B2],
                                         hyper[H_EPS], hyper[H_WD], loss)  # fmt: skip
             # outside the branch: every rank joins the share whether the update ran or not
             loss = self.zero.share(loss)
-        elif not self.numerics:  # (a constant: the branch below is a graph's own)
-            if ok:
-                done = _map(ops.partial(_adamw_update, hyper[H_LR], hyper[H_B1], hyper[H_B2],
-                                        hyper[H_EPS], hyper[H_WD], factor),
-                            self.weights, self.exp_avg, self.exp_avg_sq, self.flags, grads)  # fmt: skip
-                loss = ops.depend(loss, done)
         elif ok:
-            for i in range(len(grads)):
-                g_in = grads[i].astype(ms.float32) * factor
-                g_in = ops.depend(g_in, before[i])
-                r = _adamw(
-                    self.weights[i],
-                    self.exp_avg[i],
-                    self.exp_avg_sq[i],
-                    hyper[H_LR],
-                    hyper[H_B1],
-                    hyper[H_B2],
-                    hyper[H_EPS],
-                    hyper[H_WD] * self.flags[i],
-                    g_in,
-                )
-                loss = ops.depend(loss, r)
+            done = _map(ops.partial(_adamw_update, hyper[H_LR], hyper[H_B1], hyper[H_B2],
+                                    hyper[H_EPS], hyper[H_WD], factor),
+                        self.weights, self.exp_avg, self.exp_avg_sq, self.flags, grads)  # fmt: skip
+            loss = ops.depend(loss, done)
         if self.acc is not None:
             loss = ops.depend(loss, _map(_zero, self.acc))
         if self.moe is not None:

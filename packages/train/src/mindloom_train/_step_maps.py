@@ -22,6 +22,7 @@ _copy = ops.MultitypeFuncGraph("copy")
 _square_sum = ops.MultitypeFuncGraph("square_sum")
 _adamw_update = ops.MultitypeFuncGraph("adamw_update")
 _zero = ops.MultitypeFuncGraph("zero")
+_after = ops.MultitypeFuncGraph("after")
 
 
 @_accumulate.register("Tensor", "Tensor")
@@ -58,3 +59,9 @@ def _adamw_update_one(lr, b1, b2, eps, wd, factor, w, m, v, flag, g):
 @_zero.register("Tensor")
 def _zero_one(acc):
     return ops.assign(acc, ops.zeros_like(acc))
+
+
+@_after.register("Tensor", "Tensor")
+def _after_one(x, first):
+    # x, made to wait for `first` (the numerics step: each update after its weight's copy)
+    return ops.depend(x, first)
