@@ -248,7 +248,7 @@ def _sgd_graph(params):
             return self.opt(grads)
 
     sgd = SGD()
-    return lambda grads: sgd(tuple(grads))
+    return lambda grads: sgd(ms.mutable(tuple(grads)))  # a plain tuple is a graph constant
 
 
 def _time_engine(engine, tokens, labels, steps, update=None):
