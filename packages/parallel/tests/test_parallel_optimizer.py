@@ -24,23 +24,27 @@ def _one_process():
     return init_parallel(ParallelConfig())
 
 
-def test_adamw_matches_numpy_adamw():
-    from mindloom_parallel import ZeroAdamW
+def _steps_against_numpy(opt_class, seed: int, steps: int, after_step=None) -> None:
+    """`steps` AdamW steps of `opt_class` (ZeroAdamW or a subclass, zero_stage 0) on random
+    gradients, its weights and moments against `parallel_worker.numpy_adamw`;
+    `after_step()` runs after each step."""
     from mindspore import Parameter, Tensor
 
     groups = _one_process()
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     init = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
     params = [Parameter(Tensor(v.copy()), name=n) for n, v in init.items()]
-    opt = ZeroAdamW(params, list(SHAPES), groups, zero_stage=0)
+    opt = opt_class(params, list(SHAPES), groups, zero_stage=0)
     # gradient sizes from 1e-3 to 10: Adam's normalisation must not hide a missing correction
     grads = [
         {n: (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
          for n, s in SHAPES.items()}
-        for _ in range(6)
+        for _ in range(steps)
     ]  # fmt: skip
     for t, g in enumerate(grads, 1):
         opt.step([Tensor(g[n]) for n in SHAPES], t, 0.05, (0.9, 0.95), 1e-8, 0.1)
+        if after_step is not None:
+            after_step()
     ref = W.numpy_adamw(init, grads, lr=0.05, wd=0.1, betas=(0.9, 0.95), eps=1e-8)
     state = opt.gather_moments()
     for n, p in zip(SHAPES, params):
@@ -48,6 +52,12 @@ def test_adamw_matches_numpy_adamw():
         for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):
             np.testing.assert_allclose(state[f"{key}.{n}"], ref[f"{key}.{n}"], rtol=1e-5,
                                        atol=atol, err_msg=f"{key}.{n}")  # fmt: skip
+
+
+def test_adamw_matches_numpy_adamw():
+    from mindloom_parallel import ZeroAdamW
+
+    _steps_against_numpy(ZeroAdamW, seed=5, steps=6)
 
 
 def test_moments_round_trip_through_full_tensors():
@@ -87,28 +97,9 @@ def test_graph_adamw_matches_numpy_and_compiles_once():
     compiled a new graph each step (the trainer's pp2 debug step 1.31 s -> 0.13 s when it
     stopped, session 16)."""
     from mindloom_parallel import ZeroAdamWGraph
-    from mindspore import Parameter, Tensor
     from mindspore.graph import api
 
-    groups = _one_process()
-    rng = np.random.default_rng(6)
-    init = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-    params = [Parameter(Tensor(v.copy()), name=n) for n, v in init.items()]
-    opt = ZeroAdamWGraph(params, list(SHAPES), groups, zero_stage=0)
-    grads = [
-        {n: (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 2)).astype(np.float32)
-         for n, s in SHAPES.items()}
-        for _ in range(5)
-    ]  # fmt: skip
     phases = []
-    for t, g in enumerate(grads, 1):
-        opt.step([Tensor(g[n]) for n in SHAPES], t, 0.05, (0.9, 0.95), 1e-8, 0.1)
-        phases.append(len(api.ms_compile_cache))
-    assert phases[1:] == [phases[0]] * (len(grads) - 1), phases  # compiled at step 1 only
-    ref = W.numpy_adamw(init, grads, lr=0.05, wd=0.1, betas=(0.9, 0.95), eps=1e-8)
-    state = opt.gather_moments()
-    for n, p in zip(SHAPES, params):
-        np.testing.assert_allclose(p.asnumpy(), ref[n], rtol=1e-5, atol=1e-6, err_msg=n)
-        for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):
-            np.testing.assert_allclose(state[f"{key}.{n}"], ref[f"{key}.{n}"], rtol=1e-5,
-                                       atol=atol, err_msg=f"{key}.{n}")  # fmt: skip
+    _steps_against_numpy(ZeroAdamWGraph, seed=6, steps=5,
+                         after_step=lambda: phases.append(len(api.ms_compile_cache)))  # fmt: skip
+    assert phases[1:] == [phases[0]] * 4, phases  # compiled at step 1 only

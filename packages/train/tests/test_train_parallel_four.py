@@ -27,9 +27,8 @@ import numpy as np
 import pytest
 import yaml
 from train_testutil import (
-    SCHED,
-    base_config,
     events,
+    layout_config,
     run_config,
     start_launch,
     step_records,
@@ -50,13 +49,7 @@ STEP_LINE = {"l": "compiled pipeline parallel", "z": "ZeRO-1 in the compiled ten
 
 
 def _config(prepared, run: Path, **sections) -> dict:
-    cfg = base_config(prepared, run, lr_scheduler=SCHED,
-                      model={"preset": "debug", "vocab_size": 66, "tie_embeddings": True},
-                      checkpoint={"save_interval": SAVE, "keep_last": 2})  # fmt: skip
-    cfg["training"]["train_iters"] = STEPS
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
+    return layout_config(prepared, run, STEPS, SAVE, **sections)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from mindloom_train._faults import BALLAST_MB
 from train_testutil import (
-    SCHED,
     base_config,
     events,
+    layout_config,
     run_config,
     step_records,
     stop_launches,
@@ -34,14 +34,7 @@ SAVE = 2  # the launches save at steps 2 and 4; the resume tests start from step
 
 
 def _config(prepared, run: Path, **sections) -> dict:
-    # vocab 66 (the 65-char tokenizer + 1): divisible by tp = 2
-    cfg = base_config(prepared, run, lr_scheduler=SCHED, model={"preset": "debug", "vocab_size": 66,
-                                                               "tie_embeddings": True},
-                      checkpoint={"save_interval": SAVE, "keep_last": 2})  # fmt: skip
-    cfg["training"]["train_iters"] = STEPS
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    return cfg
+    return layout_config(prepared, run, STEPS, SAVE, **sections)
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,21 @@ def stop_launches(procs: dict[str, subprocess.Popen], log_dirs: dict[str, Path])
             proc.communicate()
 
 
+def layout_config(prepared: dict[str, str], run_dir: Path, steps: int, save: int,
+                  **sections) -> dict:  # fmt: skip
+    """The tensor/pipeline-parallel launches' run (test_train_parallel_launch.py,
+    test_train_parallel_four.py) and their one-process reference: the debug preset with
+    tied embeddings and a vocabulary of 66 (the 65-char tokenizer + 1: divisible by tp = 2),
+    `steps` steps saved every `save`; `sections` update the sections they name."""
+    cfg = base_config(prepared, run_dir, lr_scheduler=SCHED,
+                      model={"preset": "debug", "vocab_size": 66, "tie_embeddings": True},
+                      checkpoint={"save_interval": save, "keep_last": 2})  # fmt: skip
+    cfg["training"]["train_iters"] = steps
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
 # A model whose size no launch or fault claim depends on: one layer, hidden 32, the
 # 65-character vocabulary. Its graph compiles in a fraction of the debug preset's time.
 TINY_MODEL = {"preset": "debug", "vocab_size": None, "num_layers": 1, "hidden_size": 32,
