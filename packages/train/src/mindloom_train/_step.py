@@ -198,7 +198,7 @@ class TrainStep(_Base):
                 stats = ops.depend(stats, grads)
             stats = self.moe.finish(stats, hyper[H_NMICRO])
             if self.zero is not None:
-                grads = self._after(grads, stats)
+                grads = _map(ops.partial(_after, stats), grads)
         # grads stay raw (loss-scaled, summed over micro-batches) until the update: the
         # unscaling multiplier `inv` is folded into the clip factor, so each gradient is
         # multiplied once, and its squared norm is a [1, n] x [n, 1] matmul (MindSpore's
@@ -224,7 +224,7 @@ class TrainStep(_Base):
         if self.zero is None:
             grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         if self.zero is not None and self.norm_reducer is not None:
-            grads = self._after(grads, loss)  # the norm's all-reduce after the loss's
+            grads = _map(ops.partial(_after, loss), grads)  # the norm's all-reduce after the loss's
         sq = _map(_square_sum, grads)
         total = ops.addn(sq) if self.norm_reducer is None else self.norm_reducer(sq)
         gnorm = ops.sqrt(total) * ops.abs(inv)
@@ -239,7 +239,7 @@ class TrainStep(_Base):
         if self.numerics:
             # copies of the weights as they were; each update below waits for its copy
             before = _map(_copy, self.weights)
-            grads = _map(_after, grads, before)
+            grads = _map(_after, before, grads)
         if self.zero is not None:
             if ok:
                 loss = self.zero.update(grads, factor, hyper[H_LR], hyper[H_B1], hyper[H_B2],
@@ -261,13 +261,6 @@ class TrainStep(_Base):
         if self.numerics:
             return loss, gnorm, ok, stop, self._numerics(loss, sq, inv, before)
         return loss, gnorm, ok, stop
-
-    def _after(self, grads, x):
-        """`grads`, each made to wait for `x` (orders collectives between graphs that differ)."""
-        out = ()
-        for g in grads:
-            out = out + (ops.depend(g, x),)
-        return out
 
     def _numerics(self, loss, sq, inv, before):
         """[n tensors, 5]: NUMERICS of each parameter tensor after this step's update."""

@@ -62,6 +62,8 @@ def _zero_one(acc):
 
 
 @_after.register("Tensor", "Tensor")
-def _after_one(x, first):
-    # x, made to wait for `first` (the numerics step: each update after its weight's copy)
+def _after_one(first, x):
+    # x, made to wait for `first`: each numerics update after its weight's copy (mapped
+    # over both tuples), or every gradient after one collective's result (`first` bound
+    # by partial: orders collectives between ZeRO-1 / ep graphs that differ)
     return ops.depend(x, first)
