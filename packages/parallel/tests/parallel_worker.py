@@ -529,6 +529,7 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
         ParallelConfig,
         ParallelEngine,
         PipelineGraph,
+        _hostlink,
         dp_slice,
         init_parallel,
     )
@@ -541,6 +542,9 @@ def run_layout(name: str, out: Path, steps: int = STEPS) -> dict:
     # built from another seed, then loaded from the full seed-0 weights: the path a
     # checkpoint from any layout takes into this one
     cls = PipelineGraph if name.endswith("_compiled") else ParallelEngine
+    # the engine's layouts exchange and sum through MindSpore's AllReduce, the compiled
+    # stages over the host link (_hostlink): each transport is checked against one process
+    _hostlink.set_host_links(cls is PipelineGraph)
     engine = cls(Llama(cfg, seed=99), pcfg, groups, micro_batch_size=mbs)
     engine.load_state(Llama_state(cfg))
     t0 = time.perf_counter()

@@ -8,8 +8,13 @@ works on subgroups, so the same semantics are built from it:
   adding zeros is exact, so the result is bit-identical to a native all-gather.
 - reduce-scatter: all-reduce, keep this rank's slice (no bandwidth saving on CPU).
 - max: all-gather then max.
-- point-to-point inside a two-rank group: the sender contributes the tensor, the
-  receiver zeros; an exchange puts each side's tensor in its own slot.
+- point-to-point inside a two-rank group: over a Unix socket when both ranks are on one
+  host (``_hostlink``: an AllReduce costs milliseconds here and its waiting rank spins on
+  a core); otherwise an AllReduce in which the sender contributes the tensor and the
+  receiver zeros (an exchange puts each side's tensor in its own slot).
+- ``all_reduce(..., host=True)`` of a two-rank group (the step's loss, token count and
+  norm sums) goes over the same socket: ``a0 + a1`` in both ranks, which is what a
+  two-rank AllReduce computes (float addition commutes), so the result is unchanged.
 
 Everything above this module is backend-independent. Each timed call (PyNative) is added
 to the ``CommStats`` of whoever is communicating, found through the group it runs on: a
@@ -26,9 +31,11 @@ import time
 from contextlib import contextmanager
 
 import mindspore as ms
-from mindspore import nn, ops
+import numpy as np
+from mindspore import Tensor, nn, ops
 
 from mindloom_parallel._groups import Group
+from mindloom_parallel._hostlink import link_between
 
 __all__ = ["CommRecorder", "CommStats", "native_collectives"]
 
@@ -133,19 +140,41 @@ def _nbytes(x) -> int:
 # ----------------------------------------------------------------------- plain collectives
 
 
-def all_reduce(x, group: Group, timed: bool = True, stats: CommStats | None = None):
+def all_reduce(x, group: Group, timed: bool = True, stats: CommStats | None = None,
+               host: bool = False):  # fmt: skip
     """Sum over the group (every backend has this natively). ``stats``: record this call
-    there instead of into the group's recorder."""
+    there instead of into the group's recorder. ``host``: a call from host code (not inside
+    a cell), which may go over the host link of a two-rank group (module docstring)."""
     if group.size == 1:
         return x
+    link = _link(group) if host else None
+    if link is not None and _np_dtype(x.dtype) is not None:
+        mine = x.asnumpy()
+        t0 = time.perf_counter()
+        theirs = link.exchange(mine, mine.shape, mine.dtype)
+        both = (mine, theirs) if group.index == 0 else (theirs, mine)
+        out = Tensor(both[0] + both[1])
+        if timed:
+            _record(group, time.perf_counter() - t0, 1, _nbytes(x), stats)
+        return out
     op = _op("allreduce", group)
     return _timed(op, x, _nbytes(x), group, stats) if timed else op(x)
 
 
-def all_gather(x, group: Group, axis: int = 0, timed: bool = True):
-    """Concatenate every rank's ``x`` along ``axis`` in group order."""
+def all_gather(x, group: Group, axis: int = 0, timed: bool = True, host: bool = False):
+    """Concatenate every rank's ``x`` along ``axis`` in group order. ``host``: as in
+    ``all_reduce``."""
     if group.size == 1:
         return x
+    link = _link(group) if host else None
+    if link is not None and _np_dtype(x.dtype) is not None:
+        mine = x.asnumpy()
+        t0 = time.perf_counter()
+        theirs = link.exchange(mine, mine.shape, mine.dtype)
+        both = (mine, theirs) if group.index == 0 else (theirs, mine)
+        if timed:
+            _record(group, time.perf_counter() - t0, 1, _nbytes(x))
+        return Tensor(np.concatenate(both, axis))
     if native_collectives():
         xt = x if axis == 0 else x.swapaxes(0, axis)
         op = _op("allgather", group)
@@ -205,6 +234,15 @@ def exchange(send, recv_shape, recv_dtype, pair: Group):
         return None
     if native_collectives():
         return _native_exchange(send, recv_shape, recv_dtype, pair)
+    link = _link(pair)
+    np_dtype = _np_dtype(recv_dtype if recv_dtype is not None else send.dtype)
+    if link is not None and np_dtype is not None:
+        out = None if send is None else send.asnumpy()  # waits for the graph that made it
+        t0 = time.perf_counter()
+        got = link.exchange(out, recv_shape, np_dtype)
+        nbytes = (0 if out is None else out.nbytes) + (0 if got is None else got.nbytes)
+        _record(pair, time.perf_counter() - t0, 1, nbytes)
+        return None if got is None else Tensor(got)
     if recv_shape is None:  # one-way send: the receiver contributes zeros
         all_reduce(send, pair)
         return None
@@ -215,6 +253,27 @@ def exchange(send, recv_shape, recv_dtype, pair: Group):
     slots = [send.expand_dims(0) if i == pair.index else zero.expand_dims(0) for i in range(2)]
     both = all_reduce(ops.concat(slots, 0), pair)
     return both[1 - pair.index]
+
+
+def _link(pair: Group):
+    """The host link of a two-rank group on the CPU backend, or None (``_hostlink``)."""
+    if pair.size != 2 or native_collectives():
+        return None
+
+    def reduce(a):
+        return all_reduce(Tensor(a), pair, timed=False).asnumpy()
+
+    return link_between(pair.ranks, pair.index, reduce)
+
+
+def _np_dtype(dtype):
+    """NumPy's dtype for a MindSpore one, or None where NumPy has none (bfloat16)."""
+    if dtype is None or dtype == ms.bfloat16:
+        return None
+    try:
+        return np.dtype(ms.dtype_to_nptype(dtype))
+    except (TypeError, KeyError):
+        return None
 
 
 _p2p_ops: dict = {}

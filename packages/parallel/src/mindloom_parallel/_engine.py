@@ -213,7 +213,7 @@ class ParallelEngine:
         local_tokens = float(
             np.prod(batch["labels"].shape) if mask is None else np.asarray(mask, np.float64).sum()
         )
-        denom = all_reduce(Tensor(np.array([local_tokens], np.float32)), g.dp)
+        denom = all_reduce(Tensor(np.array([local_tokens], np.float32)), g.dp, host=True)
         denom = ops.maximum(denom.reshape(()), ops.ones((), ms.float32))
         nmb = self.pcfg.micro_batch_num
         micro = [self._micro(batch, i) for i in range(nmb)]
@@ -230,9 +230,9 @@ class ParallelEngine:
             loss, grads = self._one_f_one_b(micro, denom)
         grads = list(grads)
         for i in self._sp_idx:
-            grads[i] = all_reduce(grads[i], g.tp)
+            grads[i] = all_reduce(grads[i], g.tp, host=True)
         for i in self._embed_idx:
-            grads[i] = all_reduce(grads[i], g.embed)
+            grads[i] = all_reduce(grads[i], g.embed, host=True)
         t_red = time.perf_counter()
         grads = self.reducer(tuple(grads))
         if g.dp.size > 1:
@@ -240,8 +240,8 @@ class ParallelEngine:
             _sync()
             self.comm_stats.time_s += time.perf_counter() - t_red
             self.comm_stats.calls += len(self.reducer.buckets)
-        loss = all_reduce(loss.reshape((1,)), g.dp)
-        loss = all_reduce(loss, g.pp)  # only the last stage holds a non-zero loss
+        loss = all_reduce(loss.reshape((1,)), g.dp, host=True)
+        loss = all_reduce(loss, g.pp, host=True)  # only the last stage holds a non-zero loss
         loss_value = float(loss.asnumpy()[0])
         return loss_value, grads
 
@@ -324,7 +324,9 @@ class ParallelEngine:
         local_tokens = float(
             np.prod(batch["labels"].shape) if mask is None else np.asarray(mask, np.float64).sum()
         )
-        denom = all_reduce(Tensor(np.array([local_tokens], np.float32)), g.dp, timed=False)
+        denom = all_reduce(
+            Tensor(np.array([local_tokens], np.float32)), g.dp, timed=False, host=True
+        )
         denom = ops.maximum(denom.reshape(()), ops.ones((), ms.float32))
         self._seq = batch["tokens"].shape[1]
         shape, dtype = self._act_shape(), self.model.compute_dtype
@@ -337,23 +339,31 @@ class ParallelEngine:
                 total = total + out
             else:
                 exchange(out, None, dtype, g.pp_next)
-        loss = all_reduce(total.reshape((1,)), g.dp, timed=False)
-        loss = all_reduce(loss, g.pp, timed=False)
+        loss = all_reduce(total.reshape((1,)), g.dp, timed=False, host=True)
+        loss = all_reduce(loss, g.pp, timed=False, host=True)
         return float(loss.asnumpy()[0])
 
     # ------------------------------------------------------------------ helpers
 
     def grad_norm(self, grads) -> float:
         """The global L2 norm of the full model's gradient (every shard counted once)."""
-        g = self.groups
         sq = ops.zeros((1,), ms.float32)
-        for name, gr in zip(self.param_names, grads):
-            if g.tp.index > 0 and name.endswith("norm.weight"):
-                continue  # replicated over TP: count once
-            if name == "embed.weight" and self._embed_idx and not g.is_first_stage:
-                continue  # the tied copy on the last stage
-            sq = sq + (gr.astype(ms.float32) ** 2).sum()
-        sq = all_reduce(sq, g.mp)
+        for counted, gr in zip(self._norm_counted(), grads):
+            if counted:
+                sq = sq + (gr.astype(ms.float32) ** 2).sum()
+        return self._global_norm(sq)
+
+    def _norm_counted(self) -> tuple[bool, ...]:
+        """Per parameter: whether this rank's copy counts in the global norm."""
+        g = self.groups
+        return tuple(
+            not (g.tp.index > 0 and name.endswith("norm.weight"))  # replicated over TP
+            and not (name == "embed.weight" and self._embed_idx and not g.is_first_stage)
+            for name in self.param_names  # (the second: the tied copy on the last stage)
+        )
+
+    def _global_norm(self, sq) -> float:
+        sq = all_reduce(sq, self.groups.mp, host=True)
         return float(np.sqrt(sq.asnumpy()[0]))
 
     def load_state(self, full_state: dict) -> None:

@@ -74,7 +74,7 @@ def gather_rows(values, group) -> np.ndarray:
     from mindloom_parallel._comm import all_gather
 
     mine = Tensor(np.asarray(values, np.float32).reshape(1, -1))
-    return all_gather(mine, group, 0, timed=False).asnumpy()
+    return all_gather(mine, group, 0, timed=False, host=True).asnumpy()
 
 
 def chunk_metadata(model_cfg, pcfg, shard_name) -> tuple[dict, dict]:
