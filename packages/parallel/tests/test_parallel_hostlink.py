@@ -118,3 +118,14 @@ def test_the_handshake_pieces_carry_40_bits_through_float32():
         lo, hi = (np.float32(p) for p in H._split20(v))
         assert int(lo) | int(hi) << 20 == v
     assert H._host_identity() == H._host_identity()
+
+
+def test_a_temporary_directory_too_long_for_a_socket_name_falls_back_to_tmp(monkeypatch):
+    long_dir = tempfile.mkdtemp(prefix="x" * 90, dir="/tmp")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", long_dir)
+        assert H.socket_dir() == "/tmp"
+        monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+        assert H.socket_dir() == "/tmp"
+    finally:
+        os.rmdir(long_dir)

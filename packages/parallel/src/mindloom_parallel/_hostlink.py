@@ -4,15 +4,17 @@ Why not the collectives: on the CPU backend MindSpore has no Send/Receive, so a 
 exchange was an AllReduce of both ranks' buffers. Measured on the 2-core machine under
 msrun: an AllReduce took 3-10 ms whatever its size (4 bytes to 512 KB), and a rank waiting
 in one burns a whole core (3.16 CPU-s over a 3 s wait), the core the other pipeline stage
-was computing on. Over this socket a 64 KB activation crosses in well under a millisecond
-and the waiting rank sleeps in ``select``; the compiled pp2 step went from ~92 to ~63 ms.
+was computing on. Over this socket the waiting rank sleeps in ``select``; the compiled pp2
+step (debug preset) went from ~74 to ~49 ms in a harness alternating both transports in
+one launch.
 
 A link is made at the first exchange between two ranks: one AllReduce on their group (the
-caller's ``reduce``) agrees a random rendezvous name and compares the ranks' host identities
-(host name, boot id, the temporary directory's device and inode). On one host the lower
-rank listens on ``<tmp>/mlk-<name>.sock`` and the other connects; the path is unlinked as
-soon as they are connected, so nothing is left on disk. On different hosts, or with
-``MINDLOOM_HOST_LINK=0``, there is no link and the caller keeps the AllReduce.
+caller's ``reduce``) agrees a random rendezvous name and compares the ranks' host
+identities (host name, boot id, the socket directory's device and inode). On one host
+the lower rank listens on ``<socket_dir>/mlk-<name>.sock`` and the other connects; the
+path is unlinked as soon as they are connected, so nothing is left on disk. On different
+hosts, or with ``MINDLOOM_HOST_LINK=0``, there is no link and the caller keeps the
+AllReduce.
 
 Every message carries a header (magic, sequence number, byte count); a message that is not
 the one the schedule expects is refused with both descriptions instead of read as data.
@@ -131,14 +133,21 @@ class HostLink:
             )
 
 
+def socket_dir() -> str:
+    """Where the rendezvous socket goes: the temporary directory, or /tmp where that path is
+    too long for a Unix socket's name (108 bytes on Linux)."""
+    d = tempfile.gettempdir()
+    return d if len(d) <= 80 or not os.path.isdir("/tmp") else "/tmp"
+
+
 def _host_identity() -> int:
-    """A 40-bit digest of what makes two processes share /tmp and a kernel."""
+    """A 40-bit digest of what makes two processes share the socket directory and a kernel."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    st = os.stat(tempfile.gettempdir())
+    st = os.stat(socket_dir())
     text = f"{socket.gethostname()}|{boot}|{st.st_dev}|{st.st_ino}"
     return zlib.crc32(text.encode()) << 8 | zlib.adler32(text.encode()) & 0xFF
 
@@ -169,7 +178,7 @@ def link_between(ranks: tuple[int, int], index: int, reduce) -> HostLink | None:
         _links[key] = None  # different hosts
         return None
     name = f"{int(got[0]) | int(got[1]) << 20:010x}"
-    path = os.path.join(tempfile.gettempdir(), f"mlk-{name}.sock")
+    path = os.path.join(socket_dir(), f"mlk-{name}.sock")
     sock = _listen(path) if lower else _connect(path)
     _links[key] = link = HostLink(sock, peer)
     return link
