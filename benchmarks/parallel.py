@@ -282,6 +282,9 @@ def tp_arms(args, groups_dp) -> dict:
     from mindloom_parallel import ParallelConfig, ParallelEngine, init_parallel
     from mindspore import Tensor
 
+    # the compiled arm needs GRAPH_MODE back: --zero's engine arm, run first, ends in PyNative
+    # (where this step cell ran op by op: 2452 ms/step for tp2 "compiled" with --zero --tp)
+    ms.set_context(mode=ms.GRAPH_MODE)
     cfg = get_preset(args.preset)
     pcfg = ParallelConfig(tp=2, sequence_parallel=args.tp_sp)
     groups = init_parallel(pcfg, cfg)
