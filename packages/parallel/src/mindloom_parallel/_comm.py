@@ -147,18 +147,25 @@ def all_reduce(x, group: Group, timed: bool = True, stats: CommStats | None = No
     a cell), which may go over the host link of a two-rank group (module docstring)."""
     if group.size == 1:
         return x
-    link = _link(group) if host else None
-    if link is not None and _np_dtype(x.dtype) is not None:
-        mine = x.asnumpy()
-        t0 = time.perf_counter()
-        theirs = link.exchange(mine, mine.shape, mine.dtype)
-        both = (mine, theirs) if group.index == 0 else (theirs, mine)
-        out = Tensor(both[0] + both[1])
-        if timed:
-            _record(group, time.perf_counter() - t0, 1, _nbytes(x), stats)
-        return out
+    both = _host_pair(x, group, timed, stats) if host else None
+    if both is not None:
+        return Tensor(both[0] + both[1])
     op = _op("allreduce", group)
     return _timed(op, x, _nbytes(x), group, stats) if timed else op(x)
+
+
+def _host_pair(x, group: Group, timed: bool, stats: CommStats | None = None):
+    """Both ranks' ``x`` as NumPy arrays in group order, swapped over the host link of a
+    two-rank group; None where there is no link (the caller uses the collective)."""
+    link = _link(group)
+    if link is None or _np_dtype(x.dtype) is None:
+        return None
+    mine = x.asnumpy()
+    t0 = time.perf_counter()
+    theirs = link.exchange(mine, mine.shape, mine.dtype)
+    if timed:
+        _record(group, time.perf_counter() - t0, 1, _nbytes(x), stats)
+    return (mine, theirs) if group.index == 0 else (theirs, mine)
 
 
 def all_gather(x, group: Group, axis: int = 0, timed: bool = True, host: bool = False):
@@ -166,14 +173,8 @@ def all_gather(x, group: Group, axis: int = 0, timed: bool = True, host: bool = 
     ``all_reduce``."""
     if group.size == 1:
         return x
-    link = _link(group) if host else None
-    if link is not None and _np_dtype(x.dtype) is not None:
-        mine = x.asnumpy()
-        t0 = time.perf_counter()
-        theirs = link.exchange(mine, mine.shape, mine.dtype)
-        both = (mine, theirs) if group.index == 0 else (theirs, mine)
-        if timed:
-            _record(group, time.perf_counter() - t0, 1, _nbytes(x))
+    both = _host_pair(x, group, timed) if host else None
+    if both is not None:
         return Tensor(np.concatenate(both, axis))
     if native_collectives():
         xt = x if axis == 0 else x.swapaxes(0, axis)
