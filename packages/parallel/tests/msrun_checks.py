@@ -95,11 +95,15 @@ def launch_two_nodes(out: Path, name: str, layouts: list[str], nproc_per_node: i
     """Two msrun invocations on 127.0.0.1 (node rank 0 and 1), started together."""
     port = free_port()
     errors = []
+    # both "nodes" are this host: their workers may join and leave in one-second steps, as
+    # `launch` lets one node's do (MindSpore's 3-5 s default is for real clusters)
+    env = {**os.environ, "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 
     def node(rank):
         try:
             launch(
                 [WORKER, str(out / name), "--layouts", ",".join(layouts)],
+                env=env,
                 nproc=nproc_per_node,
                 nnodes=2,
                 node_rank=rank,

@@ -575,13 +575,25 @@ def _late_all_reduce(late_rank: int, late_s: float, out: Path) -> int:
     out/late_rank<r>.json, written only if both all-reduces succeeded."""
     import mindspore as ms
     from mindloom_parallel import mark_run_ended
-    from mindspore import Tensor, ops
+    from mindspore import Tensor, nn, ops
     from mindspore.communication import GlobalComm, get_rank, init
 
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU")
+    # graph mode: a rank waiting in a compiled all-reduce sleeps, while a PyNative one spins
+    # a whole core for the 40 s (measured: 3.02 CPU-s in a 3 s wait), which the other test
+    # files running beside this one need
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     init()
     rank = get_rank()
-    reduce = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+
+    class Reduce(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.op = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+
+        def construct(self, x):
+            return self.op(x)
+
+    reduce = Reduce()
     mine = Tensor(np.full(4, rank + 1, np.float32))
     sums = [float(reduce(mine).asnumpy()[0])]
     t0 = time.monotonic()

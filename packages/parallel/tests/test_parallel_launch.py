@@ -16,6 +16,7 @@ from mindloom_parallel import LaunchError, ParallelConfig, ParallelConfigError, 
 from mindloom_parallel._launch import diagnose, free_port
 
 WORKER = str(Path(__file__).parent / "parallel_worker.py")
+RELEASED = "every worker exited with code 0: scheduler released"
 
 
 def test_a_layout_that_does_not_fit_fails_before_any_worker_starts(tmp_path):
@@ -90,6 +91,8 @@ def test_a_dead_worker_is_named_and_the_job_ends(tmp_path):
         )
     assert "worker rank 1 failed: RuntimeError: injected failure on rank 1" in str(e.value)
     assert e.value.returncode != 0
+    # a failed worker: msrun waits for its scheduler as MindSpore has it (_MSRUN_ONE_NODE)
+    assert RELEASED not in (tmp_path / "logs" / "msrun.log").read_text()
     assert (tmp_path / "logs" / "worker_0.log").exists() and (
         tmp_path / "logs" / "worker_1.log"
     ).exists()
@@ -122,9 +125,11 @@ def test_a_rank_half_a_minute_behind_its_peers_does_not_fail_the_collective(tmp_
     failed "Ring ReduceScatter wait receiving" 30.0 s into its wait); on a loaded CI
     machine one rank's compile or rank 0's save can be that far behind, and a dp=2
     DeepSeek launch failed so. `launch` sets MS_CPU_COMM_OP_TIMEOUT (1800 s unless told).
-    Rank 1 joins the second all-reduce 40 s late; both sums must be 1 + 2.
-    Plant: drop the setdefault in _msrun_env -> rank 0's all-reduce fails at 30 s and the
-    launch raises LaunchError."""
+    Rank 1 joins the second all-reduce 40 s late; both sums must be 1 + 2. The all-reduce
+    is a compiled graph's, whose waiting rank sleeps (a PyNative one spins a core for the
+    40 s, which the test files beside this one need).
+    Plant: drop the setdefault in _msrun_env -> rank 0's all-reduce fails at 30 s (`Launch
+    kernel failed: Default/AllReduce-op0`) and the launch raises LaunchError."""
     out = tmp_path / "out"
     assert launch([WORKER, str(out), "--late-rank", "1", "--late-s", "40"], nproc=2,
                   log_dir=tmp_path / "logs", timeout_s=300, cluster_timeout_s=60) == 0  # fmt: skip
@@ -134,6 +139,21 @@ def test_a_rank_half_a_minute_behind_its_peers_does_not_fail_the_collective(tmp_
     assert json.loads((out / "late_rank0.json").read_text())["waited_s"] > 35
     # one node: the workers retry their registration every second (RETRY_INTERVAL_ENVS)
     assert got["retry_interval"] == ["1", "1"]
+    # and msrun ended once both workers had exited with 0, without waiting for the
+    # scheduler's own 5-second shutdown poll (_MSRUN_ONE_NODE)
+    assert RELEASED in (tmp_path / "logs" / "msrun.log").read_text()
+
+
+def test_msrun_releases_the_scheduler_only_when_the_whole_job_is_on_this_node(tmp_path):
+    from mindloom_parallel._launch import _MSRUN_NOT_MASTER, _MSRUN_ONE_NODE, _msrun_command
+
+    def cmd(world, nproc, node_rank):
+        return _msrun_command(["w.py"], world, nproc, node_rank, "127.0.0.1", 1, tmp_path, 60)
+
+    assert cmd(2, 2, 0)[1:3] == ["-c", _MSRUN_ONE_NODE]
+    assert cmd(4, 2, 1)[1:3] == ["-c", _MSRUN_NOT_MASTER]
+    assert Path(cmd(4, 2, 0)[0]).name == "msrun"  # node 0 of two: other nodes need it
+    assert RELEASED in _MSRUN_ONE_NODE
 
 
 def test_registration_retry_is_one_second_on_one_node_and_mindspores_own_on_several():
