@@ -3,12 +3,12 @@ the same config step for step, a changed graph constant misses and gives the unc
 value, and every key `GRAPH_FREE_KEYS` leaves out of the graph key is proven to change no
 compiled graph.
 
-One module fixture makes five short in-process runs of a one-layer model that compiles
+One module fixture makes six short in-process runs of a one-layer model that compiles
 every graph a Llama run of the compiled runner builds with two micro-batches (accum_step,
 update_step, stats_step -- the fused last micro-batch and update of a log step, which also
 carries MaxLogits for Llama --, eval_step; the fused train_step is a one-micro-batch run's,
 and the separate logit_stats forward is DeepSeek-V3's only): uncached, cold, warm, rms_norm_eps changed, every graph-free key
-changed (into a second store)."""
+changed (into a second store), and warm again without a held-out set."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from mindloom_train._config import from_dict
-from mindloom_train._graph_cache import GRAPH_FREE_KEYS
+from mindloom_train._graph_cache import GRAPH_FREE_KEYS, GRAPH_FREE_SECTIONS
 from train_testutil import TINY_MODEL, base_config, events, run_config, step_records
 
 ROLES = {"accum_step", "update_step", "stats_step", "eval_step"}
@@ -62,7 +62,11 @@ def _alternates(prepared, tmp: Path) -> dict[str, object]:
         "context.compile_cache_dir": None,  # this run writes to a store of its own
         "tokenizer.path": str(tok),
         "train_dataset.data_prefix": [_copy_prefix(prepared["train"], tmp / "alt_data")],
+        # GRAPH_FREE_SECTIONS: the held-out set's keys but its sequence length (an input
+        # shape of the evaluation graph, in its key as such)
         "eval_dataset.data_prefix": [_copy_prefix(prepared["eval"], tmp / "alt_data")],
+        "eval_dataset.pack_mode": "best_fit",
+        "eval_dataset.mask_eos_loss": True,
         "training.time_limit_s": 3600.0,
         "lr_scheduler.type": "wsd",
         "lr_scheduler.decay_iters": 5,
@@ -86,7 +90,8 @@ def _changed(value):
 def _apply(cfg: dict, explicit: dict) -> dict:
     cfg = copy.deepcopy(cfg)
     resolved = from_dict(cfg).to_dict()
-    for dotted in GRAPH_FREE_KEYS:
+    sections = [k for k in explicit if k.split(".")[0] in GRAPH_FREE_SECTIONS]
+    for dotted in [*GRAPH_FREE_KEYS, *sections]:
         *parents, leaf = dotted.split(".")
         if dotted in explicit:
             value = explicit[dotted]
@@ -172,7 +177,9 @@ def runs(prepared, tmp_path_factory):
         "warm": _config(prepared, tmp / "warm", store),
         "alt": _apply(_config(prepared, tmp / "alt", alt_store), _alternates(prepared, tmp)),
         "eps": _config(prepared, tmp / "eps", store, rms_norm_eps=1e-2),
+        "noeval": _config(prepared, tmp / "noeval", store),
     }
+    del cfgs["noeval"]["eval_dataset"]  # after warm: its training graphs are in the store
     for name, cfg in cfgs.items():
         assert run_config(cfg) == 0, name
     return {name: Path(cfg["run_dir"]) for name, cfg in cfgs.items()}, store, alt_store
@@ -189,6 +196,14 @@ def test_warm_run_equals_the_uncached_run(runs):
     assert _graph_records(dirs["cold"]) == ref
     assert _graph_records(dirs["warm"]) == ref
     assert set(_canonical_graphs(store)) == ROLES
+
+
+def test_a_run_without_a_held_out_set_loads_the_training_graphs(runs):
+    """GRAPH_FREE_SECTIONS: the same run without `eval_dataset` finds every training graph
+    the runs with one published (and builds no evaluation graph); its steps are theirs."""
+    dirs, _, _ = runs
+    assert _counts(dirs["noeval"]) == (len(ROLES) - 1, 0)
+    assert _graph_records(dirs["noeval"])["steps"] == _graph_records(dirs["ref"])["steps"]
 
 
 def test_changed_graph_constant_misses_and_gives_the_uncached_value(runs):
