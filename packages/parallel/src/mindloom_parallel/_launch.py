@@ -289,21 +289,23 @@ def _raise_for_outcome(rc: int, stop, stop_grace_s: float, log_dir: Path) -> Non
         raise LaunchError(diagnose(log_dir, rc), rc, str(log_dir))
 
 
+# msrun itself, after a patch of its process manager (the snippets below)
+_MSRUN_MAIN = (
+    "from mindspore.parallel.cluster.run import main\nsys.argv[0] = 'msrun'\nsys.exit(main())\n"
+)
+
 _MSRUN_NOT_MASTER = (
     "import sys\n"
     "from mindspore.parallel.cluster.process_entity import _api\n"
     "_api._is_local_ip = lambda ip: False\n"
-    "from mindspore.parallel.cluster.run import main\n"
-    "sys.argv[0] = 'msrun'\n"
-    "sys.exit(main())\n"
-)
+) + _MSRUN_MAIN
 
 
 # The whole job on this node: once every worker has exited with code 0 nobody needs the
 # scheduler any more, and msrun ends there instead of waiting for it. MindSpore 2.10's
 # scheduler notices its workers' unregistration only every 5 s (its finalize loop; Python
 # code cannot run in it meanwhile: `init` holds the GIL), so every launch ended 0-5 s after
-# its last worker (measured: 3.5 s on a 2-worker debug run). A worker that failed, or a job
+# its last worker (measured: 3.4 s on a 2-worker debug run). A worker that failed, or a job
 # spread over several nodes (their workers may still need the scheduler), keeps msrun's own
 # wait.
 _MSRUN_ONE_NODE = (
@@ -327,10 +329,7 @@ _MSRUN_ONE_NODE = (
     "    return _join(self)\n"
     "if _join is not None:\n"
     "    _api._ProcessManager.join_processes = join_processes\n"
-    "from mindspore.parallel.cluster.run import main\n"
-    "sys.argv[0] = 'msrun'\n"
-    "sys.exit(main())\n"
-)
+) + _MSRUN_MAIN
 
 
 _MSRUN_OPTIONS = (
