@@ -168,3 +168,35 @@ def test_tp_plan_names_the_models_modules(tied):
     weights = [n.rsplit(".", 1)[0] for n, p in model.parameters_and_names() if p.ndim == 2]
     uncovered = [w for w in weights if not any(fnmatchcase(w, pat) for pat in plan)]
     assert uncovered == []
+
+
+def test_deepseek_tp_plan_splits_heads_and_shared_experts_and_keeps_the_rest_whole():
+    # issue 17 (expert_tp = 1): every pattern names a module of a DeepseekV3 with a dense
+    # layer, MoE layers and an MTP block; the matrices it leaves whole are exactly the
+    # vocabulary, the router, the routed experts and the MTP projection; the MLA
+    # down-projections are partial_grad, and mlp_norm is a region entry only on the dense
+    # layer (an entry there on a MoE layer would add the routed experts' gradient tp times)
+    from fnmatch import fnmatchcase
+
+    from mindloom_model import TP_STYLES, DeepseekV3, deepseek_tp_plan
+
+    model = DeepseekV3(get_preset("deepseek-v3-debug", num_layers=3, first_k_dense_replace=1))
+    paths = [p for p, _ in model.cells_and_names() if p]
+    plan = deepseek_tp_plan(1)
+    assert set(plan.values()) <= set(TP_STYLES)
+    assert {pat for pat in plan if not any(fnmatchcase(p, pat) for p in paths)} == {
+        "layers.*.attn.q_proj", "mtp.*.block.attn.q_proj"}  # q_lora_rank is set  # fmt: skip
+
+    def style(path):
+        return next((st for pat, st in plan.items() if fnmatchcase(path, pat)), None)
+
+    whole = sorted({n.rsplit(".", 1)[0] for n, p in model.parameters_and_names()
+                    if p.ndim >= 2 and style(n.rsplit(".", 1)[0]) is None})  # fmt: skip
+    assert whole == sorted(["embed", "lm_head", "mtp.0.eh_proj"]
+                           + [f"{b}.mlp.{m}" for b in ("layers.1", "layers.2", "mtp.0.block")
+                              for m in ("gate", "experts")])  # fmt: skip
+    assert [p for p in paths if style(p) == "region_entry" and "mlp_norm" in p] == [
+        "layers.0.mlp_norm"]  # fmt: skip
+    assert sorted(p for p in paths if style(p) == "partial_grad") == sorted(
+        f"{b}.attn.{m}" for b in ("layers.0", "layers.1", "layers.2", "mtp.0.block")
+        for m in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"))  # fmt: skip

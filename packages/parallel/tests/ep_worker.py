@@ -36,6 +36,9 @@ LAYOUTS = {
     "pp2_ep2": dict(dp=2, pp=2, ep=2, micro_batch_num=2),
     # ZeRO-1 with dp > ep: ep groups {0, 1}, {2, 3}; expert-data-parallel {0, 2}, {1, 3}
     "dp4_ep2_zero1": dict(dp=4, ep=2, zero_stage=1),
+    # tensor parallel with ep inside dp: tp groups {0, 1}, {2, 3}; ep groups {0, 2}, {1, 3}
+    # (the ranks with the same tp index); each rank runs two micro-batches per step
+    "tp2_ep2": dict(dp=2, tp=2, ep=2),
 }
 
 
@@ -160,7 +163,7 @@ def reference(out: Path) -> None:
     fb = FB()
     opt = AdamW(params)
     biases = [r.expert_bias for r in moe_routers(model)]
-    rec = {"loss": [], "stats": [], "loads": [], "biases": []}
+    rec = {"loss": [], "stats": [], "loads": [], "biases": [], "grad_norm": []}
     for b in batches(cfg.vocab_size):
         loss, stats, acc = 0.0, None, None
         for j in range(N_MICRO):
@@ -170,6 +173,8 @@ def reference(out: Path) -> None:
             stats = st if stats is None else stats + st
             acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         opt(ms.mutable(tuple(acc)))  # a plain tuple input is a graph constant: recompiles
+        rec["grad_norm"].append(float(np.sqrt(sum((g.asnumpy().astype(np.float64) ** 2).sum()
+                                                  for g in acc))))  # fmt: skip
         st = stats.asnumpy().astype(np.float64)
         loads = st[4:].reshape(len(biases), -1)
         for bias, load in zip(biases, loads):  # the rule written out, not the library's
@@ -197,7 +202,7 @@ def run_pp(name: str, out: Path) -> dict:
     _, AdamW = _cells()
     opt = AdamW(eng.params)
     rec = {"loss": [], "stats": [], "loads": [], "rank": groups.rank, "stage": groups.pp_rank,
-           "ep_index": eng.ep.index}  # fmt: skip
+           "ep_index": eng.ep.index, "tp_index": 0}  # fmt: skip
     clock = _Clock(rec)
     for b in batches(cfg.vocab_size):
         clock.tick()
@@ -270,7 +275,7 @@ def run_dp_zero(name: str, out: Path) -> dict:
     step = Step()
     biases = [r.expert_bias for r in moe_routers(model)]
     rec = {"loss": [], "stats": [], "loads": [], "rank": groups.rank, "stage": 0,
-           "ep_index": ep.index, "owned": len(step.zero.owned),
+           "ep_index": ep.index, "tp_index": 0, "owned": len(step.zero.owned),
            "state_values": [step.zero.dense.state_values, step.zero.expert.state_values]}  # fmt: skip
     clock = _Clock(rec)
     for b in batches(cfg.vocab_size):
@@ -285,6 +290,109 @@ def run_dp_zero(name: str, out: Path) -> dict:
     np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))
     moments = step.zero.full_moments()
     np.savez(out / f"{name}_moments_rank{groups.rank}.npz", **moments)
+    return rec
+
+
+def run_tp_ep(name: str, out: Path) -> dict:
+    """tp2 x dp2 with ep2 inside dp: the model split by the DeepSeek-V3 tp plan (MLA over
+    heads, the shared experts over their width, routed experts whole) and its routed experts
+    over the ep group; two micro-batches per rank (forward and backward compiled, their
+    gradients added), then one compiled reduction: the MLA down-projections' partial
+    gradients over tp, dense over dp, expert blocks over the expert-data-parallel group
+    (this rank alone here), the global norm, the loss and stats summed over dp."""
+    import mindspore as ms
+    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, deepseek_tp_plan, moe_routers
+    from mindloom_parallel import (
+        EPGradReducer,
+        GradReducer,
+        ParallelDims,
+        TPEPNormSquare,
+        TPGradReducer,
+        dp_slice,
+        expert_parallel,
+        init_expert_groups,
+        init_parallel,
+        is_expert_param,
+        moe_bias_step,
+        parallelize_deepseek_graph,
+        tp_param_names,
+    )
+    from mindspore import nn, ops
+
+    cfg = model_config()
+    pcfg = ParallelDims(**LAYOUTS[name])
+    groups = init_parallel(pcfg, cfg)
+    model = DeepseekV3(cfg)
+    ep, edp = init_expert_groups(groups.rank, pcfg)
+    parallelize_deepseek_graph(model, pcfg, groups)
+    expert_parallel(model, ep)
+    LossStats, AdamW = _cells()
+    params = model.trainable_params()
+    names = [p.name for p in params]
+    plan = deepseek_tp_plan(cfg.first_k_dense_replace)
+    partial = set(tp_param_names(model, plan, ("partial_grad",)))
+    split = set(tp_param_names(model, plan, ("colwise", "rowwise", "vocab")))
+    dense = [p for p in params if not is_expert_param(p.name)]
+
+    class FB(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net = LossStats(DeepseekV3WithLoss(model))
+            self.weights = ms.ParameterTuple(params)
+
+        @ms.jit
+        def construct(self, tokens, labels, pos, seg, mask):
+            fn = ms.value_and_grad(self.net, None, self.weights, has_aux=True)
+            return fn(tokens, labels, pos, seg, mask)
+
+    class Reduce(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            # the loss is / N_MICRO already: dense grads summed over dp, experts over edp
+            dp_red = EPGradReducer(names, 1, edp, GradReducer(dense, groups.dp, 0.05))
+            self.reducer = TPGradReducer(params, names, groups, False, dp_red,
+                                         partial=tuple(n in partial for n in names))  # fmt: skip
+            self.norm = TPEPNormSquare([n in split for n in names],
+                                       [is_expert_param(n) for n in names], groups.tp, ep)  # fmt: skip
+            self.sum_dp = ops.AllReduce(ops.ReduceOp.SUM, group=groups.dp.name)
+
+        @ms.jit
+        def construct(self, grads, loss, stats):
+            grads = self.reducer(grads)
+            sq = ()
+            for g in grads:
+                sq = sq + ((g * g).sum(),)
+            norm = ops.sqrt(self.norm(sq))
+            loss = self.sum_dp(ops.depend(loss.reshape(1), norm))
+            stats = self.sum_dp(ops.depend(stats, loss))
+            return grads, loss.reshape(()), stats, norm
+
+    fb, reduce_, opt = FB(), Reduce(), AdamW(params)
+    biases = [r.expert_bias for r in moe_routers(model)]
+    rec = {"loss": [], "stats": [], "loads": [], "grad_norm": [], "rank": groups.rank,
+           "stage": 0, "ep_index": ep.index, "tp_index": groups.tp.index}  # fmt: skip
+    clock = _Clock(rec)
+    per_rank = N_MICRO // pcfg.dp
+    for b in batches(cfg.vocab_size):
+        clock.tick()
+        mine = dp_slice(b, groups.dp_rank, pcfg.dp)
+        loss, stats, acc = None, None, None
+        for j in range(per_rank):
+            mb = {k: v[j * MBS : (j + 1) * MBS] for k, v in mine.items()}
+            (lo, st), grads = fb(*_tensors(mb))
+            loss = lo if loss is None else loss + lo
+            stats = st if stats is None else stats + st
+            acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
+        grads, loss, stats, norm = reduce_(ms.mutable(tuple(acc)), loss, stats)
+        opt(ms.mutable(tuple(grads)))
+        st = stats.asnumpy().astype(np.float64)
+        moe_bias_step(biases, st[4:], SPEED)
+        rec["loss"].append(float(loss.asnumpy()))
+        rec["stats"].append(st[:4].tolist())
+        rec["loads"].append(st[4:].reshape(len(biases), -1).tolist())
+        rec["grad_norm"].append(float(norm.asnumpy()))
+    clock.tick()
+    np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))
     return rec
 
 
@@ -305,7 +413,8 @@ def main(argv=None) -> int:
     guard_worker()
     results = {}
     for name in [n for n in args.layouts.split(",") if n]:
-        run = run_pp if name.startswith("pp") else run_dp_zero
+        run = run_pp if name.startswith("pp") else run_tp_ep if name.startswith("tp") \
+            else run_dp_zero  # fmt: skip
         results[name] = run(name, out)
         rank = results[name]["rank"]
     (out / f"result_rank{rank}.json").write_text(json.dumps(results))

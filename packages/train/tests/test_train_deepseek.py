@@ -267,21 +267,23 @@ def test_memory_estimate_counts_deepseek_recompute(prepared, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("parallelism", "key"),
-    [({"dp": 1, "tp": 2}, "parallelism.tp: 2"), ({"pp": 2, "micro_batch_num": 2}, "parallelism.pp: 2"),
-     ({"dp": 2, "zero_stage": 1}, "parallelism.zero_stage: 1")],
+    ("sections", "key"),
+    [({"parallelism": {"pp": 2, "micro_batch_num": 2}}, "parallelism.pp: 2"),
+     ({"parallelism": {"dp": 2, "zero_stage": 1}}, "parallelism.zero_stage: 1"),
+     ({"parallelism": {"dp": 1, "tp": 2}, "context": {"mode": "pynative"}},
+      "context.mode: pynative")],
 )  # fmt: skip
-def test_tp_pp_zero_refuse_the_family_in_one_line(prepared, tmp_path, parallelism, key):
+def test_pp_zero_pynative_refuse_the_family_in_one_line(prepared, tmp_path, sections, key):
     from mindloom_train._config import ConfigError, from_dict
     from mindloom_train._modelcfg import build_model_config
 
-    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism=parallelism))
+    cfg = from_dict(_config(prepared, tmp_path / "r", **sections))
     with pytest.raises(ConfigError, match=rf"config key {key} is not supported for family "
                        "deepseek_v3") as exc:  # fmt: skip
         build_model_config(cfg, 65)
     assert "\n" not in str(exc.value)
-    # the same run under plain data parallel builds
-    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism={"dp": 2}))
+    # the same run under data, tensor (graph mode) and expert parallel builds
+    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism={"dp": 2, "tp": 2, "ep": 2}))
     assert build_model_config(cfg, 65).family == "deepseek_v3"
 
 

@@ -91,14 +91,24 @@ def _seed_checkpoint(src: Path, step: int, run: Path) -> None:
     (run / "checkpoints" / "latest").write_text(f"{step}\n")
 
 
+# every step saved: L and T start from step 1, the tests read steps 5, 10, 15, 20
+EVERY = {"save_interval": 1, "keep_last": STEPS + 1}
+
+
 @pytest.fixture(scope="module")
-def runs(prepared, tmp_path_factory) -> dict:
-    """A, then L (ep2 + ZeRO-1) resuming from A's step 1 (waited for here)."""
+def reference(prepared, tmp_path_factory) -> dict:
+    """A: one process, 20 steps, every step saved."""
     root = tmp_path_factory.mktemp("expert_parallel")
-    out = {"root": root, "a": root / "a", "l": root / "l"}
-    # every step saved: L starts from step 1, the tests read steps 5, 10, 15, 20
-    every = {"save_interval": 1, "keep_last": STEPS + 1}
-    _train(_config(prepared, out["a"], checkpoint=every), root / "a.yaml")
+    _train(_config(prepared, root / "a", checkpoint=EVERY), root / "a.yaml")
+    return {"root": root, "a": root / "a"}
+
+
+@pytest.fixture(scope="module")
+def runs(prepared, reference) -> dict:
+    """A, then L (ep2 + ZeRO-1) resuming from A's step 1 (waited for here)."""
+    root = reference["root"]
+    out = {**reference, "l": root / "l"}
+    every = EVERY
     _seed_checkpoint(out["a"], 1, out["l"])
     procs = {"l": start_launch(_config(prepared, out["l"], parallelism=EP_ZERO, checkpoint=every),
                                root / "l.yaml", timeout_s=500)}  # fmt: skip
@@ -166,7 +176,8 @@ def test_zero1_with_ep_is_the_ep_step_and_is_no_longer_refused(prepared, tmp_pat
 
     for kw, ep, zero in [(EP_ZERO | {"dp": 2}, True, False), ({"dp": 2, "ep": 2}, True, False),
                          ({"dp": 2, "zero_stage": 1}, False, True),
-                         ({"dp": 2, "ep": 2, "tp": 2}, False, False)]:  # fmt: skip
+                         ({"dp": 2, "ep": 2, "tp": 2}, True, False),
+                         ({"dp": 2, "ep": 2, "pp": 2}, False, False)]:  # fmt: skip
         dims = ParallelDims.from_dict(kw)
         assert (compiled_ep(dims), compiled_zero(dims, "graph")) == (ep, zero), kw
     cfg = from_dict(_config(prepared, tmp_path, parallelism=EP_ZERO), world_size=2)
@@ -358,3 +369,95 @@ def test_ep_checkpoints_record_the_one_process_position(runs, resumed):
     for step in (5, 10, 15, 20):
         assert _common(runs["l"], step) == _common(runs["a"], step), step
     assert _common(resumed["l2"], 15) == _common(resumed["ac"], 15)
+
+
+# ------------------------------------------------------------------ tp2 x ep2 (4 workers)
+
+TP_EP = {"dp": 2, "tp": 2, "ep": 2}
+
+
+@pytest.fixture(scope="module")
+def tp_ep(prepared, reference) -> dict:
+    """T: `mindloom launch --nproc 4` with tp2 x dp2, ep2 inside dp, resuming from a copy of
+    A's step-1 checkpoint (one process -> tp2 x ep2), steps 2-20, saves every 5 steps;
+    then TR: one process resuming T's step-10 checkpoint (tp2 x ep2 -> one process)."""
+    root = reference["root"]
+    t, tr = root / "t", root / "tr"
+    _seed_checkpoint(reference["a"], 1, t)
+    procs = {"t": start_launch(_config(prepared, t, parallelism=TP_EP), root / "t.yaml",
+                               nproc=4, timeout_s=600)}  # fmt: skip
+    try:
+        wait_launches(procs, timeout_s=660)
+    finally:
+        stop_launches(procs, {"t": t / "msrun_logs"})
+    _seed_checkpoint(t, 10, tr)
+    _train(_config(prepared, tr), root / "tr.yaml")
+    return {"t": t, "tr": tr}
+
+
+def _moved_slots(a: list, b: list) -> int:
+    """Token-slots routed to another expert between two [routers, E] load fractions: each
+    moved slot leaves one expert and joins another."""
+    return round(float(np.abs(np.asarray(a) - np.asarray(b)).sum()) * SLOTS / 2)
+
+
+@pytest.mark.msrun
+@pytest.mark.slow
+def test_tp2_ep2_losses_loads_and_tensors_equal_one_process(reference, tp_ep):
+    """Issue 17's 4-worker tp2 + ep2 through the trainer: MLA and the dense / shared-expert
+    MLPs split over tp (deepseek_tp_plan), the routed experts over ep; every step's loss
+    parts and grad norm within 1e-5 / 1e-4 of A, the same biases at every save, tensors
+    within 1e-4 while the routing is A's; the checkpoints hold the one-process tensors.
+
+    The loads: tp sums the row-parallel projections' halves (a0 + a1) where one process
+    runs one matmul, so the router's scores differ in their last bits, and a token whose
+    biased scores for two experts are that close can pick the other one. Measured
+    (2026-12-03): one slot of 512 at one router in step 19 of 19. Allowed: at most one
+    moved slot in at most one step; from then on the weights are compared within 1e-3
+    (measured 1.04e-4 at step 20, an expert's) and the moments, which hold that slot's
+    gradient, not at all."""
+    logs = sorted((tp_ep["t"] / "msrun_logs").glob("worker_*.log"))
+    assert len(logs) == 4
+    for log in logs:
+        assert "tensor parallel tp=2 (deepseek_tp_plan" in log.read_text(errors="replace")
+    a, t = step_records(reference["a"]), step_records(tp_ep["t"])
+    assert sorted(t) == list(range(2, STEPS + 1))
+    moved = {}
+    for step in t:
+        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss"):
+            assert t[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+        assert t[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-4), step
+        assert len(t[step]["comm_s_ranks"]) == 4
+        if t[step]["moe_load"] != a[step]["moe_load"]:
+            moved[step] = _moved_slots(t[step]["moe_load"], a[step]["moe_load"])
+    assert len(moved) <= 1 and all(n == 1 for n in moved.values()), moved
+    first = min(moved, default=STEPS + 1)
+    for step in (5, 10, 15, 20):
+        ta, tt = _tensors(reference["a"], step), _tensors(tp_ep["t"], step)
+        assert sorted(ta) == sorted(tt)
+        np.testing.assert_array_equal(_biases(tt), _biases(ta), err_msg=f"step {step}")
+        for k in ta:
+            assert ta[k].shape == tt[k].shape, k
+            moment = k.startswith("exp_avg")
+            if step >= first and moment:
+                continue  # a moved slot's gradient sits in the moments from then on
+            # moments: an element whose gradient is ~0 has a relative error of its own
+            atol = {"exp_avg_sq": 1e-9, "exp_avg": 1e-6}.get(k.split(".")[0], 1e-4)
+            atol = atol if step < first else 1e-3
+            np.testing.assert_allclose(tt[k], ta[k], rtol=1e-3 if moment else 0, atol=atol,
+                                       err_msg=f"{k} step {step}")  # fmt: skip
+        assert _common(tp_ep["t"], step) == _common(reference["a"], step), step
+    meta = json.loads((tp_ep["t"] / "checkpoints" / "step_00000020" / "metadata.json").read_text())
+    assert meta["tensor_parallel"]["tp"] == 2 and meta["expert_parallel"]["ep"] == 2
+
+
+@pytest.mark.msrun
+@pytest.mark.slow
+def test_tp2_ep2_checkpoint_resumes_on_one_process(reference, tp_ep):
+    """TR: T's step-10 checkpoint (gathered over tp and ep) on one process, steps 11-20:
+    A's losses and loads."""
+    a, tr = step_records(reference["a"]), step_records(tp_ep["tr"])
+    assert sorted(tr) == list(range(11, STEPS + 1))
+    for step in tr:
+        assert tr[step]["step_loss"] == pytest.approx(a[step]["step_loss"], rel=1e-5), step
+        assert _moved_slots(tr[step]["moe_load"], a[step]["moe_load"]) <= 1, step

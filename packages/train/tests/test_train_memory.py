@@ -250,6 +250,37 @@ def test_expert_parallel_keeps_e_over_ep_experts_per_rank(zero):
         assert two["optimizer states"] < one["optimizer states"] <= 8 * n
 
 
+def test_deepseek_tp_ep_parameters_are_the_split_models():
+    """tp2 x ep2 (dp2): the estimate's parameter bytes are the values a rank of the real
+    split holds: a DeepseekV3 (one dense layer, two MoE layers, one MTP depth) split by
+    `parallelize_deepseek` (region cells left out: only shapes matter here), its routed
+    experts halved for ep2 as `expert_parallel` keeps them."""
+    from mindloom_model import DeepseekV3, get_preset
+    from mindloom_parallel import Group, ParallelDims, parallelize_deepseek
+    from mindspore import nn
+
+    class Identity(nn.Cell):
+        def construct(self, x):
+            return x
+
+    class Groups:
+        tp = Group("tp", (0, 1), 0)
+
+    mcfg = get_preset("deepseek-v3-debug", vocab_size=256)
+    assert mcfg.first_k_dense_replace == 1 and mcfg.num_layers == 3
+    model = parallelize_deepseek(DeepseekV3(mcfg), ParallelDims(dp=1, tp=2), Groups(),
+                                 regions=(Identity, Identity))  # fmt: skip
+    local = sum(p.size for p in model.trainable_params())
+    routed = sum(p.size for p in model.trainable_params() if ".mlp.experts." in p.name)
+    assert local < mcfg.num_params() and routed == 3 * 8 * 3 * 64 * 32
+    cfg = _cfg(model={"preset": "deepseek-v3-debug", "vocab_size": 256},
+               train_dataset={"seq_length": 32}, training={"micro_batch_size": 4},
+               parallelism={"dp": 2, "tp": 2, "ep": 2})  # fmt: skip
+    est = _memory.estimate(cfg, nproc=4, device="cpu")
+    assert (est.layout["tp"], est.layout["ep"]) == (2, 2)
+    assert est.components["parameters"] == 4 * (local - routed // 2)
+
+
 def test_unknown_device_and_bad_max_device_memory_are_one_line():
     with pytest.raises(ConfigError, match="unknown device"):
         _memory.estimate(_cfg(), device="tpu-v9")

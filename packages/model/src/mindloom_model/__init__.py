@@ -14,7 +14,7 @@ from mindloom_model._safetensors import (
     read_safetensors_header,
     write_safetensors,
 )
-from mindloom_model._tp_plan import TP_STYLES, llama_tp_plan
+from mindloom_model._tp_plan import TP_STYLES, deepseek_tp_plan, llama_tp_plan
 
 __all__ = [
     "CompileCache",
@@ -39,6 +39,7 @@ __all__ = [
     "generate",
     "get_preset",
     "llama_tp_plan",
+    "deepseek_tp_plan",
     "deepseek_hf_config",
     "load_hf",
     "mindloom_source_digest",

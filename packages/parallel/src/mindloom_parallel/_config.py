@@ -193,9 +193,24 @@ def validate(
             ),
             ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
         ]
+        family = _field(model_cfg, "family") or "llama"
+        experts = _field(model_cfg, "n_routed_experts") or 0
+        if family == "deepseek_v3":
+            # the vocabulary stays whole under tp (deepseek_tp_plan); the shared experts split
+            # (and the dense MLP's width matters only where a dense layer exists)
+            dense = (_field(model_cfg, "first_k_dense_replace") or 0) > 0
+            checks = [c for c in checks
+                      if c[0] != "vocab_size" and (dense or c[0] != "ffn_hidden_size")]  # fmt: skip
+            shared = (_field(model_cfg, "moe_intermediate_size") or 0) * (
+                _field(model_cfg, "n_shared_experts") or 0
+            )
+            checks.append(("moe_intermediate_size * n_shared_experts", shared, p.tp, "tp"))
+            if p.sequence_parallel:
+                raise ParallelConfigError(
+                    "parallelism.sequence_parallel = true is not built for model.family = "
+                    "deepseek_v3 (tensor parallel without it is)"
+                )
         if p.ep > 1:
-            family = _field(model_cfg, "family") or "llama"
-            experts = _field(model_cfg, "n_routed_experts") or 0
             if family != "deepseek_v3" or not experts:
                 raise ParallelConfigError(
                     f"parallelism.ep = {p.ep} needs a MoE model (model.family = deepseek_v3 "

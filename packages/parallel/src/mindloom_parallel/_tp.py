@@ -37,7 +37,13 @@ from mindloom_parallel._comm import (
     all_reduce_max,
 )
 
-__all__ = ["parallelize_llama", "vocab_start", "VocabParallelLossSum"]
+__all__ = [
+    "VocabParallelLossSum",
+    "parallelize_deepseek",
+    "parallelize_llama",
+    "tp_param_names",
+    "vocab_start",
+]
 
 
 def _rows(p: Parameter, r: int, n: int):
@@ -70,6 +76,21 @@ class _EnterNorm(nn.Cell):
 
     def construct(self, x):
         return self.enter(self._norm(self, x))
+
+
+class _EnterMLP(nn.Cell):
+    """The model's MLP (its w1 / w3 / w2, replaced by the plan's column and row blocks),
+    after the TP region entry: the region is this MLP alone."""
+
+    def __init__(self, mlp: nn.Cell, enter: nn.Cell):
+        super().__init__()
+        self.w1, self.w2, self.w3 = mlp.w1, mlp.w2, mlp.w3
+        self.kernel = mlp.kernel
+        self._mlp = type(mlp).construct
+        self.enter = enter
+
+    def construct(self, x):
+        return self._mlp(self, self.enter(x))
 
 
 class _RowParallel(nn.Cell):
@@ -131,15 +152,36 @@ def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None, r
     global shapes and split axes are in ``mindloom_parallel.tensor_layout``.
     """
     tp: Group = groups.tp
-    n, r = tp.size, tp.index
-    if n == 1 or isinstance(model.embed, _VocabParallelEmbedding):  # nothing to do, or done
+    if tp.size == 1 or isinstance(model.embed, _VocabParallelEmbedding):  # nothing to do, or done
         return model
     if plan is None:
         from mindloom_model import llama_tp_plan
 
         plan = llama_tp_plan()
-    sp = bool(pcfg.sequence_parallel)
-    lin_cls = type(model.layers[0].attn.wq)
+    return _apply_plan(model, plan, tp, bool(pcfg.sequence_parallel), regions)
+
+
+def parallelize_deepseek(model, pcfg, groups, regions=None):
+    """Split a ``mindloom_model.DeepseekV3`` in place for ``groups.tp`` by
+    ``mindloom_model.deepseek_tp_plan``: MLA over heads, dense and shared-expert MLPs over
+    their width, routed experts, router, vocabulary and MTP projection whole on each rank
+    (expert_tp = 1; the routed experts split over ep instead). Sequence parallel is not
+    built for this family. The ``partial_grad`` tensors (``tp_param_names``) need
+    their gradients summed over tp before the update. Returns the model."""
+    from mindloom_model import deepseek_tp_plan
+
+    tp: Group = groups.tp
+    if pcfg.sequence_parallel:
+        raise ValueError("sequence parallel is not built for family deepseek_v3 (tp only)")
+    if tp.size == 1 or model.layers[0].attn.n_heads != model.config.num_heads:  # or done
+        return model
+    return _apply_plan(model, deepseek_tp_plan(model.config.first_k_dense_replace), tp,
+                       False, regions)  # fmt: skip
+
+
+def _apply_plan(model, plan: dict[str, str], tp: Group, sp: bool, regions):
+    n, r = tp.size, tp.index
+    lin_cls = type(model.layers[0].attn.wo)
     start = vocab_start(model.config, tp)
 
     def enter():
@@ -161,10 +203,15 @@ def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None, r
             return _VocabParallelEmbedding(cell, _rows(cell.weight, r, n), start, exit_())
         if style == "region_entry":
             return _EnterNorm(cell, enter())
+        if style == "mlp_entry":
+            return _EnterMLP(cell, enter())
         if style == "local_heads":
             cell.n_heads = cell.n_heads // n
-            cell.n_kv_heads = cell.n_kv_heads // n
+            if hasattr(cell, "n_kv_heads"):  # MLA has one latent, no kv heads
+                cell.n_kv_heads = cell.n_kv_heads // n
             return None  # adjusted in place
+        if style == "partial_grad":
+            return None  # whole on every rank; the gradient reducer sums it over tp
         raise ValueError(f"tensor-parallel plan: unknown style {style!r}")
 
     for path, cell in list(model.cells_and_names()):
@@ -173,10 +220,23 @@ def parallelize_llama(model, pcfg, groups, plan: dict[str, str] | None = None, r
             continue
         new = apply(style, cell)
         if new is not None:
+            # a child of a replaced cell is found again under the replacement (same names)
             parent, _, attr = path.rpartition(".")
             setattr(model.get_sub_cell(parent) if parent else model, attr, new)
     _rename(model)
     return model
+
+
+def tp_param_names(model, plan: dict[str, str], styles: tuple[str, ...]) -> list[str]:
+    """The parameters of the modules ``plan`` gives one of ``styles``: ("partial_grad",)
+    the whole tensors whose gradients are partial sums over the tp ranks; ("colwise",
+    "rowwise", "vocab") the split ones."""
+    mods = [pat for pat, st in plan.items() if st in styles]
+    return [
+        name
+        for name, _ in model.parameters_and_names()
+        if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], pat) for pat in mods)
+    ]
 
 
 def _rename(model) -> None:

@@ -39,9 +39,11 @@ __all__ = [
     "ReduceScatterSeqGraph",
     "TPGradReducer",
     "TPLlamaWithLoss",
+    "TPEPNormSquare",
     "TPNormSquare",
     "VocabParallelLossMean",
     "VocabParallelLossSumGraph",
+    "parallelize_deepseek_graph",
     "parallelize_llama_graph",
 ]
 
@@ -250,21 +252,35 @@ def parallelize_llama_graph(model, pcfg, groups, world_allgather: bool = True):
     return parallelize_llama(model, pcfg, groups, regions=regions)
 
 
+def parallelize_deepseek_graph(model, pcfg, groups):
+    """``parallelize_deepseek`` with the graph region cells (*f* / *g*): a DeepseekV3 split
+    in place for ``groups.tp``, to be run inside a compiled step. Returns the model."""
+    from mindloom_parallel._tp import parallelize_deepseek
+
+    tp = groups.tp
+    regions = (lambda: CopyToTPGraph(tp), lambda: ReduceFromTPGraph(tp))
+    return parallelize_deepseek(model, pcfg, groups, regions=regions)
+
+
 def tp_replicated(names) -> tuple[bool, ...]:
     """Per parameter name: True when every TP rank holds it whole (the norm weights)."""
     return tuple(n.endswith("norm.weight") for n in names)
 
 
 class TPGradReducer(nn.Cell):
-    """The gradients of a compiled TP step before the update: with sequence parallel the
-    replicated norm weights' gradients are partial sums over the TP ranks' tokens (one
-    all-reduce over tp); then the data-parallel ``GradReducer`` when dp > 1."""
+    """The gradients of a compiled TP step before the update: the gradients that are
+    partial sums over the TP ranks get one all-reduce over tp each (with sequence parallel
+    the replicated norm weights, whose tokens are split; ``partial``: a flag per
+    parameter, DeepSeek-V3's MLA down-projections); then the data-parallel reducer
+    (``GradReducer``, ``EPGradReducer``) when given."""
 
-    def __init__(self, params, names, groups, sequence_parallel: bool, dp_reducer=None):
+    def __init__(self, params, names, groups, sequence_parallel: bool, dp_reducer=None,
+                 partial=None):  # fmt: skip
         super().__init__()
         self.n = len(params)
-        rep = tp_replicated(names)
-        self.sp_idx = tuple(i for i in range(self.n) if rep[i]) if sequence_parallel else ()
+        if partial is None:
+            partial = tp_replicated(names) if sequence_parallel else (False,) * self.n
+        self.sp_idx = tuple(i for i in range(self.n) if partial[i])
         self.allreduce = _allreduce(groups.tp) if self.sp_idx else None
         self.dp_reducer = dp_reducer
 
@@ -300,3 +316,30 @@ class TPNormSquare(nn.Cell):
         if self.allreduce is None:
             return total
         return self.allreduce(total.reshape(1)).reshape(())
+
+
+class TPEPNormSquare(nn.Cell):
+    """The squared global gradient norm of a tp (x ep) step from per-tensor squared norms
+    of this rank's tensors: the dense part summed over the TP group (``split``: a flag per
+    parameter, True for a tp shard; a whole tensor counted once, on TP rank 0), plus the
+    routed-expert blocks (``expert``) summed over the ep group: each tp rank holds the same
+    blocks, each ep rank others."""
+
+    def __init__(self, split, expert, tp: Group, ep: Group):
+        super().__init__()
+        first = tp.index == 0
+        dense = [0.0 if e else (1.0 if (s or first) else 0.0) for s, e in zip(split, expert)]
+        self.dense_w = ms.Tensor(np.array(dense, np.float32))
+        self.expert_w = ms.Tensor(np.array([1.0 if e else 0.0 for e in expert], np.float32))
+        self.tp_sum = _allreduce(tp)
+        self.ep_sum = _allreduce(ep)
+
+    def construct(self, sq):
+        sq = ops.stack(sq)
+        dense = (sq * self.dense_w).sum().reshape(1)
+        expert = (sq * self.expert_w).sum().reshape(1)
+        if self.tp_sum is not None:
+            dense = self.tp_sum(dense)
+        if self.ep_sum is not None:
+            expert = self.ep_sum(ops.depend(expert, dense))
+        return (dense + expert).reshape(())

@@ -1,18 +1,25 @@
-"""Expert parallel (DeepSeek-V3, `parallelism.ep > 1`) as the trainer's compiled step.
+"""Expert and tensor parallel (DeepSeek-V3, `parallelism.ep > 1` and / or `tp > 1`) as
+the trainer's compiled step.
 
 `CompiledRunner` keeps its `TrainStep` / `AccumStep` / `EvalStep` graphs; this module hands
-it what changes: the model's routed experts split in place over the ep group
-(`mindloom_parallel.expert_parallel`, with the exchange cells inside each MoE layer), the
-gradient reducer (dense tensors averaged over dp, expert blocks over the expert-data-
-parallel group only, scaled by 1/dp), the global gradient norm over the expert blocks, the
+it what changes: with tp > 1 the model split in place by `deepseek_tp_plan`
+(`mindloom_parallel.parallelize_deepseek_graph`: MLA over heads, dense and shared-expert
+MLPs over their width, routed experts, router and vocabulary whole); the model's routed
+experts split in place over the ep group (`mindloom_parallel.expert_parallel`, with the
+exchange cells inside each MoE layer; the ep group is the ranks of one tp index); the
+gradient reducer (the MLA down-projections' partial gradients summed over tp, dense
+tensors averaged over dp, expert blocks over the expert-data-parallel group only, scaled
+by 1/dp), the global gradient norm (tp shards over tp, expert blocks over ep), the
 exchange probe for `comm_fields`, and the token traffic per rank. The MoE stats (global
-expert loads, the bias update) are `_moe.MoEStepParts`' data-parallel sums as before.
+expert loads, the bias update) are `_moe.MoEStepParts`' data-parallel sums as before (the
+tp ranks of a replica see the same tokens).
 
 Checkpoints hold global tensors, the same names and shapes as a one-process checkpoint:
 at a save every rank's expert blocks (weights and AdamW moments) are all-gathered over the
-ep group and rank 0 writes the one-process files, plus `expert_parallel` in
-metadata.json; a load slices this rank's block out of the global tensors, so ep2 and one
-process resume each other's checkpoints.
+ep group, the tp shards over the tp group, and rank 0 writes the one-process files, plus
+`expert_parallel` (and `tensor_parallel`) in metadata.json; a load slices this rank's
+blocks out of the global tensors, so ep2, tp2 x ep2 and one process resume each other's
+checkpoints.
 """
 
 from __future__ import annotations
@@ -29,33 +36,50 @@ from mindloom_train import _checkpoint as ck
 
 
 def compiled_ep(dims) -> bool:
-    """Expert parallel (with or without ZeRO-1) without tensor / pipeline parallel (those
-    are refused for deepseek_v3 in `_modelcfg`)."""
-    return getattr(dims, "ep", 1) > 1 and dims.tp == 1 and dims.pp == 1
+    """Expert parallel (with or without ZeRO-1, with or without tensor parallel) without
+    pipeline parallel (refused for deepseek_v3 in `_modelcfg`). DeepSeek-V3 under tp > 1
+    with ep = 1 runs here too: `_build` switches it over once the family is known."""
+    return getattr(dims, "ep", 1) > 1 and dims.pp == 1
 
 
 class CompiledEP:
     """The split model and the graph cells of a compiled expert-parallel step."""
 
     def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
+        from mindloom_model import deepseek_tp_plan
         from mindloom_parallel import (
             EPGradReducer,
             EPNormSquare,
             GradReducer,
+            TPEPNormSquare,
+            TPGradReducer,
             expert_parallel,
             init_expert_groups,
             is_expert_param,
+            parallelize_deepseek_graph,
+            tp_param_names,
         )
 
         from mindloom_train import _step
 
         g, pcfg = runtime.groups, runtime.pcfg
         self.groups, self.pcfg, self.mcfg, self.cfg = g, pcfg, built.mcfg, cfg
+        self.tp = g.tp
+        model = built.model
+        if self.tp.size > 1:
+            parallelize_deepseek_graph(model, pcfg, g)
+            model.set_train(True)  # the cells the split added start in inference mode
         self.ep, self.edp = init_expert_groups(g.rank, pcfg)
-        expert_parallel(built.model, self.ep)
-        params = list(built.model.trainable_params())
+        expert_parallel(model, self.ep)
+        params = list(model.trainable_params())
         self.names = [p.name for p in params]
         self.expert_names = [n for n in self.names if is_expert_param(n)]
+        plan = deepseek_tp_plan(built.mcfg.first_k_dense_replace)
+        # name -> the axis its tp shards split (none under tp = 1: nothing was split)
+        self.tp_axis = {} if self.tp.size == 1 else {
+            **{n: 0 for n in tp_param_names(model, plan, ("colwise",))},
+            **{n: 1 for n in tp_param_names(model, plan, ("rowwise",))},
+        }  # fmt: skip
         self.built = dataclasses.replace(built, params=params)
         dense = [p for p in params if not is_expert_param(p.name)]
         dp_red = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
@@ -63,6 +87,17 @@ class CompiledEP:
         self.loss_reducer = _step.MeanOver(g.dp.name, g.dp.size)
         self.eval_reducer = _step.MeanOver(g.dp.name, g.dp.size)
         self.norm_reducer = EPNormSquare(self.names, self.ep)
+        if self.tp.size > 1:
+            partial = set(tp_param_names(model, plan, ("partial_grad",)))
+            self.grad_reducer = TPGradReducer(params, self.names, g, False, self.grad_reducer,
+                                              partial=tuple(n in partial for n in self.names))  # fmt: skip
+            self.norm_reducer = TPEPNormSquare([n in self.tp_axis for n in self.names],
+                                               [is_expert_param(n) for n in self.names],
+                                               self.tp, self.ep)  # fmt: skip
+            # the loss is the same on every tp rank: a world mean is the data-parallel mean
+            # and carries every rank's stop flags (see _runner._encode_flags)
+            self.loss_reducer = _step.MeanOver(g.world.name, g.world.size)
+            self.eval_reducer = _step.MeanOver(g.world.name, g.world.size)
         self.params = params
         self.train_step = None
         # ZeRO-1: dense AdamW state over dp, expert state over the expert-data-parallel
@@ -87,8 +122,16 @@ class CompiledEP:
         self._steps = 0
         self.last = None
         n_exp = sum(int(np.prod(p.shape)) for p in params if is_expert_param(p.name))
+        tp = (
+            (
+                f"; tensor parallel tp={self.tp.size} (deepseek_tp_plan: {len(self.tp_axis)} "
+                f"tensors split, vocabulary and routed experts whole)"
+            )
+            if self.tp.size > 1
+            else ""
+        )
         log(f"parallel: {g.describe()}; expert parallel ep={pcfg.ep} (ep rank {self.ep.index}, "
-            f"experts {self._block()}), expert-data-parallel {self.edp.size}; "
+            f"experts {self._block()}), expert-data-parallel {self.edp.size}{tp}; "
             f"{len(params)} local tensors, {n_exp / 1e6:.3f}M expert values here")  # fmt: skip
         if self.zero is not None:
             z = self.zero
@@ -123,6 +166,7 @@ class CompiledEP:
         local.update({f"{k}.{n}": opt[f"{k}.{n}"] for k in ("exp_avg", "exp_avg_sq")
                       for n in self.expert_names})  # fmt: skip
         full = gather_experts(local, self.ep)
+        full.update(self._gather_tp({**model_arrays, **opt}))
         if self.groups.rank != 0:
             return None
         model = {n: full.get(n, a) for n, a in model_arrays.items()}
@@ -130,7 +174,23 @@ class CompiledEP:
         shards = {ck.shard_name("model", 0, 1): model, ck.shard_name("optim", 0, 1): opt}
         meta = ck.default_metadata(shards, world)
         meta["expert_parallel"] = expert_metadata(self.mcfg, self.pcfg)
+        if self.tp.size > 1:
+            meta["tensor_parallel"] = {"tp": self.tp.size, "plan": "deepseek_tp_plan",
+                                       "tensors": "saved whole (gathered over tp)"}  # fmt: skip
         return shards, meta
+
+    def _gather_tp(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Collective over the tp group: every tp shard (weights and moments) concatenated
+        in tp order along its split axis."""
+        from mindloom_parallel._comm import all_gather
+
+        out = {}
+        for key in sorted(arrays):
+            axis = self.tp_axis.get(_base(key))
+            if axis is not None:
+                t = all_gather(ms.Tensor(arrays[key]), self.tp, axis, timed=False)
+                out[key] = t.asnumpy()
+        return out
 
     def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
         """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and
@@ -141,6 +201,16 @@ class CompiledEP:
         start, count = expert_block(e, self.pcfg.ep, self.ep.index)
         out = {}
         for name, arr in arrays.items():
+            axis = self.tp_axis.get(_base(name))
+            if axis is not None:  # this tp rank's block of a split tensor
+                n, r = self.tp.size, self.tp.index
+                if arr.ndim <= axis or arr.shape[axis] % n:
+                    raise ck.CheckpointError(
+                        f"{where}: tensor {name!r} has shape {list(arr.shape)}, which tp = "
+                        f"{n} cannot split on axis {axis}"
+                    )
+                k = arr.shape[axis] // n
+                arr = np.ascontiguousarray(np.take(arr, range(r * k, (r + 1) * k), axis))
             if is_expert_param(name):
                 if arr.shape[0] != e:
                     raise ck.CheckpointError(
@@ -231,6 +301,12 @@ class CompiledEP:
             "ep_tokens_received_ranks": [_num(r[2]) for r in rows],
         }
         return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
+
+
+def _base(key: str) -> str:
+    """The parameter name of a checkpoint key (`exp_avg.<name>` -> `<name>`)."""
+    head, _, rest = key.partition(".")
+    return rest if head in ("exp_avg", "exp_avg_sq") else key
 
 
 def _num(v) -> float | None:

@@ -117,7 +117,8 @@ def deepseek_blocks(mcfg, c: int) -> tuple[list[TensorSaved], list[TensorSaved]]
     moe = attn + [
         TensorSaved("router scores fp32", 3 * e, 4),  # logits, sigmoid, biased copy
         TensorSaved("routed token copies", load * h, c),
-        TensorSaved("expert swiglu (4 x Fm x k)", 4 * fm * load, c, tp_split=True),
+        # routed experts run whole on every tp rank (deepseek_tp_plan: expert_tp = 1)
+        TensorSaved("expert swiglu (4 x Fm x k)", 4 * fm * load, c),
         TensorSaved("expert outputs", load * h, c),
         TensorSaved("shared expert swiglu", 4 * fm * mcfg.n_shared_experts, c, tp_split=True),
     ]

@@ -29,6 +29,7 @@ from mindloom_train._memory_devices import (
     _cfg_error,
     resolve_device,
 )
+from mindloom_train._memory_params import _routed_expert_values, _stage_param_sizes
 
 # ---------------------------------------------------------------------------------------
 # the estimate
@@ -95,35 +96,6 @@ def _tokenizer_vocab(cfg) -> int | None:
         except Exception:  # an unreadable tokenizer is the run's error to report, not ours
             pass
     return cfg.tokenizer.vocab_size
-
-
-def _stage_param_sizes(mcfg, tp: int, pp: int) -> list[list[int]]:
-    """Sizes of the local tensors of each pipeline stage (one TP rank)."""
-    if mcfg.family == "llama":
-        from mindloom_parallel import tensor_layout
-
-        specs = tensor_layout(mcfg, {"dp": 1, "tp": tp, "pp": pp}).values()
-        return [
-            [math.prod(sp.local_shape(tp)) for sp in specs if st in sp.pp_stages]
-            for st in range(pp)
-        ]
-    # deepseek_v3: layers split evenly (MTP with the last stage), matrices over TP
-    v, h = mcfg.vocab_size, mcfg.hidden_size
-    head = 0 if mcfg.tie_embeddings else v * h
-    body = mcfg.num_params(include_embeddings=False) - head - h
-    stages = [[int(body / pp / tp)] for _ in range(pp)]
-    stages[0].append(v * h // tp)
-    stages[-1] += [h] + ([head // tp] if head else ([v * h // tp] if pp > 1 else []))
-    return stages
-
-
-def _routed_expert_values(mcfg) -> int:
-    """Values of all routed experts (w1, w2, w3 of E experts in every MoE block: the trunk
-    layers from `first_k_dense_replace` on and each MTP depth): what ep splits."""
-    if mcfg.family == "llama" or not mcfg.n_routed_experts:
-        return 0
-    blocks = (mcfg.num_layers - mcfg.first_k_dense_replace) + mcfg.num_nextn_predict_layers
-    return blocks * mcfg.n_routed_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
 
 
 def _zero_max_share(sizes: list[int], dp: int, even: bool) -> int:
@@ -241,7 +213,9 @@ class _Activations:
         if st == lay.pp - 1:
             # final norm (fp32 copy + head input), fp32 logits, the loss's exp (kept for its
             # backward) and the gradient of the logits; a 16-bit head adds its own output
-            n_tok, v_local = b * s, mcfg.vocab_size / lay.tp
+            # (DeepSeek-V3 keeps the vocabulary whole under tp: deepseek_tp_plan)
+            n_tok = b * s
+            v_local = mcfg.vocab_size / (lay.tp if mcfg.family == "llama" else 1)
             depths = 1 + (mcfg.num_nextn_predict_layers if mcfg.family != "llama" else 0)
             head = n_tok * mcfg.hidden_size * (4 + c) + 3 * 4 * n_tok * v_local
             if c != 4:
@@ -341,10 +315,10 @@ def estimate(
     b, s = cfg.training.micro_batch_size, cfg.train_dataset.seq_length
     stages = _stage_param_sizes(mcfg, lay.tp, lay.pp)
     # expert parallel: each rank keeps E/ep routed experts of every MoE block (their
-    # weights, gradients and moments), split like the rest over stages and tp
+    # weights, gradients and moments), split over stages like the rest, whole under tp
     local_expert = [0] * lay.pp
     if lay.ep > 1:
-        routed = _routed_expert_values(mcfg) / (lay.pp * lay.tp)
+        routed = _routed_expert_values(mcfg) / lay.pp
         local_expert = [int(routed / lay.ep)] * lay.pp
         for st in range(lay.pp):
             stages[st][0] -= int(routed) - local_expert[st]  # the body holds the experts

@@ -78,16 +78,17 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         over["recompute_layers"] = list(cfg.recompute.layers)
     over.setdefault("init_seed", cfg.seed)
     if over.get("family", _preset_family(cfg)) == "deepseek_v3":
-        # the MoE layers run on the compiled data-parallel / expert-parallel step only (the
-        # PyNative tp/pp/ZeRO-1 engine is not wired for them; ZeRO-1 is, under ep > 1):
-        # refused here, so `mindloom launch` stops before the tokenizer or any worker
+        # the MoE layers run on the compiled data / tensor / expert-parallel step only (the
+        # pipeline runner is not wired for them; ZeRO-1 is, under ep > 1): refused here,
+        # so `mindloom launch` stops before the tokenizer or any worker
         p = cfg.parallelism
-        for key, value, off in (("tp", p.tp, 1), ("pp", p.pp, 1), ("zero_stage", p.zero_stage, 0)):
+        for key, value, off in (("pp", p.pp, 1), ("zero_stage", p.zero_stage, 0),
+                                ("context.mode", cfg.context.mode, "graph")):  # fmt: skip
             if value != off and not (key == "zero_stage" and p.ep > 1):
                 raise ConfigError(
-                    f"config key parallelism.{key}: {value} is not supported for family "
-                    f"deepseek_v3 (data parallel, with ZeRO-1 only under parallelism.ep > 1); "
-                    f"use {off}"
+                    f"config key {key if '.' in key else 'parallelism.' + key}: {value} is not "
+                    f"supported for family deepseek_v3 (data, tensor and expert parallel, "
+                    f"with ZeRO-1 only under parallelism.ep > 1); use {off}"
                 )
     try:
         preset = cfg.model.preset

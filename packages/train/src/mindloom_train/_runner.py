@@ -169,7 +169,7 @@ class CompiledRunner:
         self.numerics = self.stats_step = self.logit_stats = self.logit_buffer = None
         if not (mon.numerics or mon.max_logits):
             return
-        if self.tp is not None:  # local shards: not wired yet
+        if self.tp is not None or (self.ep is not None and self.ep.tp.size > 1):
             log("monitor: numerics and max_logits are not computed under tensor parallel")
             return
         if self.zero is not None or (self.ep is not None and self.ep.zero is not None):
