@@ -179,50 +179,7 @@ def validate(
             f"world size {world_size} != dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.world_size}"
         )
     if model_cfg is not None:
-        n_heads = _field(model_cfg, "num_heads", "n_heads")
-        n_kv = _field(model_cfg, "num_kv_heads", "n_kv_heads") or n_heads
-        checks = [
-            ("num_heads", n_heads, p.tp, "tp"),
-            ("num_kv_heads", n_kv, p.tp, "tp"),
-            ("vocab_size", _field(model_cfg, "vocab_size"), p.tp, "tp"),
-            (
-                "ffn_hidden_size",
-                _field(model_cfg, "ffn_hidden_size", "intermediate_size"),
-                p.tp,
-                "tp",
-            ),
-            ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
-        ]
-        family = _field(model_cfg, "family") or "llama"
-        experts = _field(model_cfg, "n_routed_experts") or 0
-        if family == "deepseek_v3":
-            # the vocabulary stays whole under tp (deepseek_tp_plan); the shared experts split
-            # (and the dense MLP's width matters only where a dense layer exists)
-            dense = (_field(model_cfg, "first_k_dense_replace") or 0) > 0
-            checks = [c for c in checks
-                      if c[0] != "vocab_size" and (dense or c[0] != "ffn_hidden_size")]  # fmt: skip
-            shared = (_field(model_cfg, "moe_intermediate_size") or 0) * (
-                _field(model_cfg, "n_shared_experts") or 0
-            )
-            checks.append(("moe_intermediate_size * n_shared_experts", shared, p.tp, "tp"))
-            if p.sequence_parallel:
-                raise ParallelConfigError(
-                    "parallelism.sequence_parallel = true is not built for model.family = "
-                    "deepseek_v3 (tensor parallel without it is)"
-                )
-        if p.ep > 1:
-            if family != "deepseek_v3" or not experts:
-                raise ParallelConfigError(
-                    f"parallelism.ep = {p.ep} needs a MoE model (model.family = deepseek_v3 "
-                    f"with routed experts), found family {family} with "
-                    f"n_routed_experts = {experts}"
-                )
-            checks.append(("n_routed_experts", experts, p.ep, "ep"))
-        for key, value, by, axis in checks:
-            if value is not None and int(value) % by:
-                raise ParallelConfigError(
-                    f"model.{key} = {value} is not divisible by parallelism.{axis} = {by}"
-                )
+        _check_model(p, model_cfg)
     if global_batch_size is not None:
         mbs = micro_batch_size or 1
         if global_batch_size % (p.dp * mbs):
@@ -246,6 +203,55 @@ def validate(
             f"{p.tp} (sequence parallel splits the sequence)"
         )
     return p
+
+
+def _check_model(p: ParallelDims, model_cfg) -> None:
+    """The degrees against the model: heads, widths and layers divisible, ep only for a
+    MoE model (DeepSeek-V3: the vocabulary whole under tp, the shared experts split)."""
+    n_heads = _field(model_cfg, "num_heads", "n_heads")
+    n_kv = _field(model_cfg, "num_kv_heads", "n_kv_heads") or n_heads
+    checks = [
+        ("num_heads", n_heads, p.tp, "tp"),
+        ("num_kv_heads", n_kv, p.tp, "tp"),
+        ("vocab_size", _field(model_cfg, "vocab_size"), p.tp, "tp"),
+        (
+            "ffn_hidden_size",
+            _field(model_cfg, "ffn_hidden_size", "intermediate_size"),
+            p.tp,
+            "tp",
+        ),
+        ("num_layers", _field(model_cfg, "num_layers", "n_layers"), p.pp, "pp"),
+    ]
+    family = _field(model_cfg, "family") or "llama"
+    experts = _field(model_cfg, "n_routed_experts") or 0
+    if family == "deepseek_v3":
+        # the vocabulary stays whole under tp (deepseek_tp_plan); the shared experts split
+        # (and the dense MLP's width matters only where a dense layer exists)
+        dense = (_field(model_cfg, "first_k_dense_replace") or 0) > 0
+        checks = [c for c in checks
+                  if c[0] != "vocab_size" and (dense or c[0] != "ffn_hidden_size")]  # fmt: skip
+        shared = (_field(model_cfg, "moe_intermediate_size") or 0) * (
+            _field(model_cfg, "n_shared_experts") or 0
+        )
+        checks.append(("moe_intermediate_size * n_shared_experts", shared, p.tp, "tp"))
+        if p.sequence_parallel:
+            raise ParallelConfigError(
+                "parallelism.sequence_parallel = true is not built for model.family = "
+                "deepseek_v3 (tensor parallel without it is)"
+            )
+    if p.ep > 1:
+        if family != "deepseek_v3" or not experts:
+            raise ParallelConfigError(
+                f"parallelism.ep = {p.ep} needs a MoE model (model.family = deepseek_v3 "
+                f"with routed experts), found family {family} with "
+                f"n_routed_experts = {experts}"
+            )
+        checks.append(("n_routed_experts", experts, p.ep, "ep"))
+    for key, value, by, axis in checks:
+        if value is not None and int(value) % by:
+            raise ParallelConfigError(
+                f"model.{key} = {value} is not divisible by parallelism.{axis} = {by}"
+            )
 
 
 def _field(cfg, *names):

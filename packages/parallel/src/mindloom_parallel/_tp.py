@@ -39,6 +39,7 @@ from mindloom_parallel._comm import (
 
 __all__ = [
     "VocabParallelLossSum",
+    "gather_tp_shards",
     "parallelize_deepseek",
     "parallelize_llama",
     "tp_param_names",
@@ -237,6 +238,22 @@ def tp_param_names(model, plan: dict[str, str], styles: tuple[str, ...]) -> list
         for name, _ in model.parameters_and_names()
         if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], pat) for pat in mods)
     ]
+
+
+def gather_tp_shards(arrays: dict, axes: dict[str, int], tp: Group) -> dict:
+    """Host side, collective over ``tp``: each array whose key is in ``axes`` (its split
+    axis) concatenated over the tp ranks in group order, i.e. the global tensor;
+    checkpoint keys of moments (``exp_avg.<name>``) are matched by their parameter name.
+    Arrays of unsplit tensors are left out."""
+    from mindloom_parallel._comm import all_gather
+
+    out = {}
+    for key in sorted(arrays):
+        head, _, rest = key.partition(".")
+        axis = axes.get(rest if head in ("exp_avg", "exp_avg_sq") else key)
+        if axis is not None:
+            out[key] = all_gather(Tensor(arrays[key]), tp, axis, timed=False).asnumpy()
+    return out
 
 
 def _rename(model) -> None:

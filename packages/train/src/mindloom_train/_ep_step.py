@@ -46,58 +46,19 @@ class CompiledEP:
     """The split model and the graph cells of a compiled expert-parallel step."""
 
     def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
-        from mindloom_model import deepseek_tp_plan
-        from mindloom_parallel import (
-            EPGradReducer,
-            EPNormSquare,
-            GradReducer,
-            TPEPNormSquare,
-            TPGradReducer,
-            expert_parallel,
-            init_expert_groups,
-            is_expert_param,
-            parallelize_deepseek_graph,
-            tp_param_names,
-        )
+        from mindloom_parallel import GradReducer, is_expert_param
 
         from mindloom_train import _step
 
         g, pcfg = runtime.groups, runtime.pcfg
         self.groups, self.pcfg, self.mcfg, self.cfg = g, pcfg, built.mcfg, cfg
         self.tp = g.tp
-        model = built.model
-        if self.tp.size > 1:
-            parallelize_deepseek_graph(model, pcfg, g)
-            model.set_train(True)  # the cells the split added start in inference mode
-        self.ep, self.edp = init_expert_groups(g.rank, pcfg)
-        expert_parallel(model, self.ep)
-        params = list(model.trainable_params())
+        params = self._split(built.model)
         self.names = [p.name for p in params]
         self.expert_names = [n for n in self.names if is_expert_param(n)]
-        plan = deepseek_tp_plan(built.mcfg.first_k_dense_replace)
-        # name -> the axis its tp shards split (none under tp = 1: nothing was split)
-        self.tp_axis = {} if self.tp.size == 1 else {
-            **{n: 0 for n in tp_param_names(model, plan, ("colwise",))},
-            **{n: 1 for n in tp_param_names(model, plan, ("rowwise",))},
-        }  # fmt: skip
         self.built = dataclasses.replace(built, params=params)
         dense = [p for p in params if not is_expert_param(p.name)]
-        dp_red = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
-        self.grad_reducer = EPGradReducer(self.names, pcfg.dp, self.edp, dp_red)
-        self.loss_reducer = _step.MeanOver(g.dp.name, g.dp.size)
-        self.eval_reducer = _step.MeanOver(g.dp.name, g.dp.size)
-        self.norm_reducer = EPNormSquare(self.names, self.ep)
-        if self.tp.size > 1:
-            partial = set(tp_param_names(model, plan, ("partial_grad",)))
-            self.grad_reducer = TPGradReducer(params, self.names, g, False, self.grad_reducer,
-                                              partial=tuple(n in partial for n in self.names))  # fmt: skip
-            self.norm_reducer = TPEPNormSquare([n in self.tp_axis for n in self.names],
-                                               [is_expert_param(n) for n in self.names],
-                                               self.tp, self.ep)  # fmt: skip
-            # the loss is the same on every tp rank: a world mean is the data-parallel mean
-            # and carries every rank's stop flags (see _runner._encode_flags)
-            self.loss_reducer = _step.MeanOver(g.world.name, g.world.size)
-            self.eval_reducer = _step.MeanOver(g.world.name, g.world.size)
+        self._reducers(params, dense)
         self.params = params
         self.train_step = None
         # ZeRO-1: dense AdamW state over dp, expert state over the expert-data-parallel
@@ -121,15 +82,73 @@ class CompiledEP:
         self._sent = self._received = 0.0
         self._steps = 0
         self.last = None
-        n_exp = sum(int(np.prod(p.shape)) for p in params if is_expert_param(p.name))
-        tp = (
-            (
-                f"; tensor parallel tp={self.tp.size} (deepseek_tp_plan: {len(self.tp_axis)} "
-                f"tensors split, vocabulary and routed experts whole)"
-            )
-            if self.tp.size > 1
-            else ""
+        self._log_layout(params, log)
+
+    def _split(self, model) -> list:
+        """The model split in place: by `deepseek_tp_plan` over tp (when tp > 1), its routed
+        experts over the ep group; its trainable parameters after."""
+        from mindloom_model import deepseek_tp_plan
+        from mindloom_parallel import (
+            expert_parallel,
+            init_expert_groups,
+            parallelize_deepseek_graph,
+            tp_param_names,
         )
+
+        g, pcfg = self.groups, self.pcfg
+        if self.tp.size > 1:
+            parallelize_deepseek_graph(model, pcfg, g)
+            model.set_train(True)  # the cells the split added start in inference mode
+        self.ep, self.edp = init_expert_groups(g.rank, pcfg)
+        expert_parallel(model, self.ep)
+        self.plan = deepseek_tp_plan(self.mcfg.first_k_dense_replace)
+        # name -> the axis its tp shards split (none under tp = 1: nothing was split)
+        self.tp_axis = {} if self.tp.size == 1 else {
+            **{n: 0 for n in tp_param_names(model, self.plan, ("colwise",))},
+            **{n: 1 for n in tp_param_names(model, self.plan, ("rowwise",))},
+        }  # fmt: skip
+        self._partial = set(tp_param_names(model, self.plan, ("partial_grad",)))
+        return list(model.trainable_params())
+
+    def _reducers(self, params: list, dense: list) -> None:
+        """The gradient, loss, evaluation and norm reducers of the step."""
+        from mindloom_parallel import (
+            EPGradReducer,
+            EPNormSquare,
+            GradReducer,
+            TPEPNormSquare,
+            TPGradReducer,
+            is_expert_param,
+        )
+
+        from mindloom_train import _step
+
+        g, pcfg, names = self.groups, self.pcfg, self.names
+        dp_red = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
+        self.grad_reducer = EPGradReducer(names, pcfg.dp, self.edp, dp_red)
+        self.loss_reducer = _step.MeanOver(g.dp.name, g.dp.size)
+        self.eval_reducer = _step.MeanOver(g.dp.name, g.dp.size)
+        self.norm_reducer = EPNormSquare(names, self.ep)
+        if self.tp.size == 1:
+            return
+        self.grad_reducer = TPGradReducer(params, names, g, False, self.grad_reducer,
+                                          partial=tuple(n in self._partial for n in names))  # fmt: skip
+        self.norm_reducer = TPEPNormSquare([n in self.tp_axis for n in names],
+                                           [is_expert_param(n) for n in names], self.tp, self.ep)  # fmt: skip
+        # the loss is the same on every tp rank: a world mean is the data-parallel mean
+        # and carries every rank's stop flags (see _runner._encode_flags)
+        self.loss_reducer = _step.MeanOver(g.world.name, g.world.size)
+        self.eval_reducer = _step.MeanOver(g.world.name, g.world.size)
+
+    def _log_layout(self, params: list, log: Callable[[str], None]) -> None:
+        from mindloom_parallel import is_expert_param
+
+        g, pcfg = self.groups, self.pcfg
+        n_exp = sum(int(np.prod(p.shape)) for p in params if is_expert_param(p.name))
+        tp = ""
+        if self.tp.size > 1:
+            tp = (f"; tensor parallel tp={self.tp.size} (deepseek_tp_plan: {len(self.tp_axis)} "
+                  f"tensors split, vocabulary and routed experts whole)")  # fmt: skip
         log(f"parallel: {g.describe()}; expert parallel ep={pcfg.ep} (ep rank {self.ep.index}, "
             f"experts {self._block()}), expert-data-parallel {self.edp.size}{tp}; "
             f"{len(params)} local tensors, {n_exp / 1e6:.3f}M expert values here")  # fmt: skip
@@ -155,7 +174,7 @@ class CompiledEP:
     def checkpoint_shards(self, model_arrays: dict, world: int) -> tuple[dict, dict] | None:
         """Collective over the ep group: the expert blocks (weights, moments) gathered into
         global tensors; rank 0 returns the one-process shard files."""
-        from mindloom_parallel import expert_metadata, gather_experts
+        from mindloom_parallel import expert_metadata, gather_experts, gather_tp_shards
 
         ts = self.train_step
         if self.zero is not None:  # collective over dp (and edp): the owners' moments
@@ -166,7 +185,7 @@ class CompiledEP:
         local.update({f"{k}.{n}": opt[f"{k}.{n}"] for k in ("exp_avg", "exp_avg_sq")
                       for n in self.expert_names})  # fmt: skip
         full = gather_experts(local, self.ep)
-        full.update(self._gather_tp({**model_arrays, **opt}))
+        full.update(gather_tp_shards({**model_arrays, **opt}, self.tp_axis, self.tp))
         if self.groups.rank != 0:
             return None
         model = {n: full.get(n, a) for n, a in model_arrays.items()}
@@ -178,19 +197,6 @@ class CompiledEP:
             meta["tensor_parallel"] = {"tp": self.tp.size, "plan": "deepseek_tp_plan",
                                        "tensors": "saved whole (gathered over tp)"}  # fmt: skip
         return shards, meta
-
-    def _gather_tp(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Collective over the tp group: every tp shard (weights and moments) concatenated
-        in tp order along its split axis."""
-        from mindloom_parallel._comm import all_gather
-
-        out = {}
-        for key in sorted(arrays):
-            axis = self.tp_axis.get(_base(key))
-            if axis is not None:
-                t = all_gather(ms.Tensor(arrays[key]), self.tp, axis, timed=False)
-                out[key] = t.asnumpy()
-        return out
 
     def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
         """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and

@@ -29,7 +29,7 @@ from mindloom_train._memory_devices import (
     _cfg_error,
     resolve_device,
 )
-from mindloom_train._memory_params import _routed_expert_values, _stage_param_sizes
+from mindloom_train._memory_params import _expert_split, _stage_param_sizes
 
 # ---------------------------------------------------------------------------------------
 # the estimate
@@ -289,6 +289,17 @@ def _default_runtime_bytes(is_cpu: bool, world: int) -> int:
     return RUNTIME_CPU_BYTES + (RUNTIME_CPU_MSRUN_EXTRA if world > 1 else 0)
 
 
+def _add_fixed(comps: dict, runtime_bytes: int, n_layers: int, cpu_graph: bool,
+               pp_graphs: bool) -> None:  # fmt: skip
+    """A stage's fragmentation reserve, runtime and (CPU) graph compiler bytes."""
+    comps["fragmentation reserve"] = FRAGMENTATION_SHARE * sum(comps.values())
+    comps["runtime"] = runtime_bytes
+    if cpu_graph:
+        comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
+    elif pp_graphs:
+        comps["graph compiler"] = 2 * COMPILE_CPU_PER_LAYER * n_layers
+
+
 def estimate(
     cfg,
     *,
@@ -314,16 +325,7 @@ def estimate(
     policy = Policy(param=_BYTES[mcfg.param_dtype], grad=_BYTES[mcfg.param_dtype])
     b, s = cfg.training.micro_batch_size, cfg.train_dataset.seq_length
     stages = _stage_param_sizes(mcfg, lay.tp, lay.pp)
-    # expert parallel: each rank keeps E/ep routed experts of every MoE block (their
-    # weights, gradients and moments), split over stages like the rest, whole under tp
-    local_expert = [0] * lay.pp
-    if lay.ep > 1:
-        routed = _routed_expert_values(mcfg) / lay.pp
-        local_expert = [int(routed / lay.ep)] * lay.pp
-        for st in range(lay.pp):
-            stages[st][0] -= int(routed) - local_expert[st]  # the body holds the experts
-        notes.append(f"ep={lay.ep}: {mcfg.n_routed_experts // lay.ep} of "
-                     f"{mcfg.n_routed_experts} routed experts per rank; activations as ep=1")  # fmt: skip
+    local_expert = _expert_split(mcfg, lay.ep, lay.pp, stages, notes)
     inv_dense, inv_moe, n_moe = _block_inventories(mcfg, c, notes)
     recomputed = _recomputed_layers(mcfg)
     cpu_graph = is_cpu and cfg.context.mode == "graph" and not lay.engine
@@ -347,15 +349,8 @@ def estimate(
     if runtime_bytes is None:
         runtime_bytes = _default_runtime_bytes(is_cpu, lay.world)
     for st, comps in enumerate(comps_by_stage):
-        alloc = sum(comps.values())
-        comps["fragmentation reserve"] = FRAGMENTATION_SHARE * alloc
-        comps["runtime"] = runtime_bytes
-        if cpu_graph:
-            n_layers = len(stage_layers(mcfg.num_layers, lay.pp, st))
-            comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
-        elif pp_graphs:
-            n_layers = len(stage_layers(mcfg.num_layers, lay.pp, st))
-            comps["graph compiler"] = 2 * COMPILE_CPU_PER_LAYER * n_layers
+        n_layers = len(stage_layers(mcfg.num_layers, lay.pp, st))
+        _add_fixed(comps, runtime_bytes, n_layers, cpu_graph, pp_graphs)
         stage_tot.append(int(sum(comps.values())))
     worst = max(range(lay.pp), key=lambda i: stage_tot[i])
     components = {k: int(v) for k, v in comps_by_stage[worst].items()}

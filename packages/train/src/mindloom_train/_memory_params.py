@@ -54,3 +54,19 @@ def _routed_expert_values(mcfg) -> int:
         return 0
     blocks = (mcfg.num_layers - mcfg.first_k_dense_replace) + mcfg.num_nextn_predict_layers
     return blocks * mcfg.n_routed_experts * 3 * mcfg.hidden_size * mcfg.moe_intermediate_size
+
+
+def _expert_split(mcfg, ep: int, pp: int, stages: list[list[int]], notes: list[str]) -> list[int]:
+    """Expert parallel: each rank keeps E/ep routed experts of every MoE block (their
+    weights, gradients and moments), split over stages like the rest, whole under tp.
+    Takes them out of each stage's body in place; returns the local expert values per
+    stage (0 without ep)."""
+    local_expert = [0] * pp
+    if ep > 1:
+        routed = _routed_expert_values(mcfg) / pp
+        local_expert = [int(routed / ep)] * pp
+        for st in range(pp):
+            stages[st][0] -= int(routed) - local_expert[st]  # the body holds the experts
+        notes.append(f"ep={ep}: {mcfg.n_routed_experts // ep} of "
+                     f"{mcfg.n_routed_experts} routed experts per rank; activations as ep=1")  # fmt: skip
+    return local_expert

@@ -12,7 +12,6 @@ The stop rule both follow, and what the loop hands a runner, are in `_step_io`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 from mindloom_train import _checkpoint as ck
 from mindloom_train._config import Config
 from mindloom_train._engine_runner import EngineRunner
-from mindloom_train._rankstats import memory_row, rank_fields
+from mindloom_train._runner_comm import CompiledComm
 from mindloom_train._step_io import (  # noqa: F401  (re-exported: the loop's import path)
     StepInputs,
     StepResult,
@@ -31,10 +30,9 @@ from mindloom_train._step_io import (  # noqa: F401  (re-exported: the loop's im
     load_params,
     tensors,
 )
-from mindloom_train._throughput import ThroughputWindow
 
 
-class CompiledRunner:
+class CompiledRunner(CompiledComm):
     """`_step.TrainStep`, or for several micro-batches `AccumStep` for each and
     `UpdateStep`; `EvalStep`."""
 
@@ -46,21 +44,7 @@ class CompiledRunner:
         from mindloom_train._moe import MoEEvalNet, MoELossNet, MoEStepParts, MoEWindow
 
         self.cfg, self.rt = cfg, runtime
-        # tensor parallel: the model is split in place and the loss net, parameters and
-        # reducers below are the compiled TP step's (_tp_step)
-        self.tp = None
-        if getattr(runtime, "compiled_tp", False):
-            from mindloom_train._tp_step import CompiledTP
-
-            self.tp = CompiledTP(built, cfg, runtime, log)
-            built = self.tp.built
-        # expert parallel (DeepSeek-V3): the routed experts split in place (_ep_step)
-        self.ep = None
-        if getattr(runtime, "compiled_ep", False):
-            from mindloom_train._ep_step import CompiledEP
-
-            self.ep = CompiledEP(built, cfg, runtime, log)
-            built = self.ep.built
+        built = self._split(built, cfg, runtime, log)
         self.model, self.mcfg = built.model, built.mcfg
         # every graph below is called through graphs.run (see _graph_cache)
         self.graphs = make_compile_cache(cfg, runtime, built.mcfg, log)
@@ -76,51 +60,13 @@ class CompiledRunner:
             )
         weights = ms.ParameterTuple(self.params)
         flags = _step.decay_flags(self.params, cfg.optimizer.decay_embeddings)
-        grad_red = loss_red = eval_red = norm_red = None
         self.comm_probe, self._probe_grads, self._last_comm = None, None, None
         # test-only (MINDLOOM_FAULT=slow_comm): the next probe starts this fraction of the
         # mean step time late, inside its timer
         self.comm_delay = 0.0
         dp_size = runtime.dp_size
-        if self.tp is not None:
-            grad_red, loss_red = self.tp.grad_reducer, self.tp.loss_reducer
-            eval_red, norm_red = self.tp.eval_reducer, self.tp.norm_reducer
-            # the step's collectives in a graph of their own (see _probe_comm)
-            self.comm_probe, self._probe_grads = self.tp.probe.cell, self.tp.probe.inputs
-            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
-        elif self.ep is not None:
-            grad_red, loss_red = self.ep.grad_reducer, self.ep.loss_reducer
-            eval_red, norm_red = self.ep.eval_reducer, self.ep.norm_reducer
-            self.comm_probe, self._probe_grads = self.ep.comm_probe, self.ep.comm_inputs
-            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
-            ex = self.ep.exchange
-            self.graphs.run("ep_exchange", ex.cell, ex.inputs)[0].asnumpy()
-        elif runtime.groups is not None and dp_size > 1:
-            from mindloom_parallel import GradReducer
-
-            dp = runtime.groups.dp
-            grad_red = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
-            loss_red = _step.MeanOver(dp.name, dp.size)
-            eval_red = _step.MeanOver(dp.name, dp.size)
-            # The step's all-reduce runs inside the compiled graph, where the host cannot
-            # time it; this probe is the same reducer (same buckets, group and bytes) in
-            # a graph of its own, timed at deterministic log steps (see comm_fields).
-            # Compiled and warmed up here, where every rank passes at the same time.
-            self.comm_probe = GradReducer(self.params, dp, p.bucket_size_mb, mean=True)
-            self._probe_grads = tuple(ms.Tensor(np.zeros(q.shape, np.float32)) for q in self.params)
-            self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
-        self.zero = None  # ZeRO-1: the owned-shard update inside the step (_zero_step)
-        if getattr(runtime, "compiled_zero", False):
-            from mindloom_train._zero_step import CompiledZero
-
-            self.zero = CompiledZero(self.params, cfg, runtime, flags, log)
-        elif self.tp is not None and p.zero_stage == 1 and dp_size > 1:
-            # tp + ZeRO-1: the same owned-shard update on this rank's local shards, over
-            # its data-parallel group (every rank of it holds the same tp slices)
-            from mindloom_train._zero_step import CompiledZero
-
-            self.zero = CompiledZero(self.params, cfg, runtime, flags, log,
-                                     "ZeRO-1 in the compiled tensor-parallel step")  # fmt: skip
+        grad_red, loss_red, eval_red, norm_red = self._reducers(runtime, p)
+        self.zero = self._zero(cfg, runtime, flags, log)
         self.moe_parts, self.moe_window = None, None
         eval_net = built.loss_net
         if isinstance(built.loss_net, MoELossNet) and self.zero is not None:
@@ -155,6 +101,39 @@ class CompiledRunner:
                                               moe=self.moe_parts)  # fmt: skip
             self.update_step = self.train_step.sibling(_step.UpdateStep)
         self.eval_step = _step.EvalStep(eval_net, eval_red)
+
+    def _split(self, built, cfg: Config, runtime, log):
+        """Tensor parallel (Llama): the model split in place, and the loss net, parameters
+        and reducers are the compiled TP step's (_tp_step); expert parallel and DeepSeek-V3's
+        tensor parallel: the model split in place (_ep_step). Returns the built model to
+        train."""
+        self.tp = self.ep = None
+        if getattr(runtime, "compiled_tp", False):
+            from mindloom_train._tp_step import CompiledTP
+
+            self.tp = CompiledTP(built, cfg, runtime, log)
+            built = self.tp.built
+        if getattr(runtime, "compiled_ep", False):
+            from mindloom_train._ep_step import CompiledEP
+
+            self.ep = CompiledEP(built, cfg, runtime, log)
+            built = self.ep.built
+        return built
+
+    def _zero(self, cfg: Config, runtime, flags, log):
+        """ZeRO-1's owned-shard update inside the step (_zero_step), or None."""
+        if getattr(runtime, "compiled_zero", False):
+            from mindloom_train._zero_step import CompiledZero
+
+            return CompiledZero(self.params, cfg, runtime, flags, log)
+        if self.tp is not None and cfg.parallelism.zero_stage == 1 and runtime.dp_size > 1:
+            # tp + ZeRO-1: the same owned-shard update on this rank's local shards, over
+            # its data-parallel group (every rank of it holds the same tp slices)
+            from mindloom_train._zero_step import CompiledZero
+
+            return CompiledZero(self.params, cfg, runtime, flags, log,
+                                "ZeRO-1 in the compiled tensor-parallel step")  # fmt: skip
+        return None
 
     def _init_stats(self, cfg: Config, built, weights, log) -> None:
         """monitor.numerics / monitor.max_logits, at log steps only (`NumericsFields.wanted`):
@@ -346,53 +325,6 @@ class CompiledRunner:
         out = self.moe_window.fields(moe_bias_values(self.model))
         self.moe_window.reset()
         return out
-
-    def comm_fields(self, window: ThroughputWindow, probe: bool) -> dict[str, Any]:
-        """The compiled data-parallel step holds its all-reduce inside the graph, where it
-        cannot be timed; `comm_probe` (the same reducer on the same bytes, its own graph)
-        is timed instead, only at log steps every rank reaches (`probe`): a log forced by
-        a signal on one rank must not start a collective the others never join; such a
-        record repeats the last probe. One process: 0."""
-        if self.rt.world == 1:
-            return {"comm_s": 0.0, "comm_share": 0.0, "comm_s_ranks": [0.0],
-                    "comm_share_ranks": [0.0],
-                    **rank_fields([memory_row(window.mean_step_time())],
-                                  self.cfg.training.global_batch_size)}  # fmt: skip
-        if self.comm_probe is None:
-            return {"comm_s": None, "comm_share": None, "comm_s_ranks": None,
-                    "comm_share_ranks": None}  # fmt: skip
-        if probe or self._last_comm is None:
-            self._last_comm = self._probe_comm(window)
-        if self.ep is not None:  # the exchange's own probe and the tokens per rank
-            return {
-                **self._last_comm,
-                **self.ep.exchange_fields(
-                    self.graphs, window.mean_step_time(), probe or self.ep.last is None
-                ),
-            }
-        return self._last_comm
-
-    def _probe_comm(self, window: ThroughputWindow) -> dict[str, Any]:
-        from mindloom_parallel import gather_rows
-
-        t0 = time.perf_counter()
-        if self.comm_delay:
-            time.sleep(self.comm_delay * window.mean_step_time())
-        self.graphs.run("comm_probe", self.comm_probe, self._probe_grads)[0].asnumpy()
-        comm = time.perf_counter() - t0
-        # the same all-gather carries each rank's memory and step time (_rankstats)
-        rows = gather_rows([comm, *memory_row(window.mean_step_time())], self.rt.groups.world)
-        ranks = [(r[0], r[4]) for r in rows]
-        share = [min(1.0, float(c) / float(s)) if s > 0 else 0.0 for c, s in ranks]
-        return {
-            "comm_s": comm,
-            "comm_share": share[self.rt.rank],
-            "comm_s_ranks": [float(c) for c, _ in ranks],
-            "comm_share_ranks": share,
-            **rank_fields(
-                [r[1:] for r in rows], self.cfg.training.global_batch_size / self.rt.dp_size
-            ),  # fmt: skip
-        }
 
 
 def make_runner(built, cfg: Config, runtime, log: Callable[[str], None]) -> StepRunner:
