@@ -67,7 +67,8 @@ def batches(vocab: int) -> list[dict]:
 
 
 def _cells():
-    """The cells every run shares: the loss with its stats, and the fused AdamW."""
+    """The cells every run shares: the loss with its stats, the fused AdamW, and one
+    micro-batch's forward and backward."""
     import mindspore as ms
     from mindspore import nn, ops
 
@@ -106,7 +107,22 @@ def _cells():
                 done = ops.depend(done, r)
             return done
 
-    return LossStats, AdamW
+    class ForwardBackward(nn.Cell):
+        """(LossStats' loss and stats, the gradients of `params`) of one micro-batch."""
+
+        def __init__(self, model, params):
+            super().__init__(auto_prefix=False)
+            from mindloom_model import DeepseekV3WithLoss
+
+            self.net = LossStats(DeepseekV3WithLoss(model))
+            self.weights = ms.ParameterTuple(params)
+
+        @ms.jit
+        def construct(self, tokens, labels, pos, seg, mask):
+            fn = ms.value_and_grad(self.net, None, self.weights, has_aux=True)
+            return fn(tokens, labels, pos, seg, mask)
+
+    return LossStats, AdamW, ForwardBackward
 
 
 class _Clock:
@@ -140,27 +156,15 @@ def reference(out: Path) -> None:
     """One process: the four micro-batches' gradients summed on the host, AdamW, the bias
     rule from the summed loads (no mindloom_parallel code on the model path)."""
     import mindspore as ms
-    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, moe_routers
-    from mindspore import nn, ops
+    from mindloom_model import DeepseekV3, moe_routers
+    from mindspore import ops
 
     cfg = model_config()
     model = DeepseekV3(cfg)
     np.savez(out / "reference_init.npz", **_state(model))
-    LossStats, AdamW = _cells()
+    _, AdamW, ForwardBackward = _cells()
     params = model.trainable_params()
-
-    class FB(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net = LossStats(DeepseekV3WithLoss(model))
-            self.weights = ms.ParameterTuple(params)
-
-        @ms.jit
-        def construct(self, tokens, labels, pos, seg, mask):
-            fn = ms.value_and_grad(self.net, None, self.weights, has_aux=True)
-            return fn(tokens, labels, pos, seg, mask)
-
-    fb = FB()
+    fb = ForwardBackward(model, params)
     opt = AdamW(params)
     biases = [r.expert_bias for r in moe_routers(model)]
     rec = {"loss": [], "stats": [], "loads": [], "biases": [], "grad_norm": []}
@@ -199,7 +203,7 @@ def run_pp(name: str, out: Path) -> dict:
     groups = init_parallel(pcfg, cfg)
     model = DeepseekV3(cfg)
     eng = MoEPipelineGraph(model, pcfg, groups, MBS)
-    _, AdamW = _cells()
+    _, AdamW, _ = _cells()
     opt = AdamW(eng.params)
     rec = {"loss": [], "stats": [], "loads": [], "rank": groups.rank, "stage": groups.pp_rank,
            "ep_index": eng.ep.index, "tp_index": 0}  # fmt: skip
@@ -215,6 +219,19 @@ def run_pp(name: str, out: Path) -> dict:
     clock.tick()
     np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))
     return rec
+
+
+def _record(rec: dict, biases, loss, stats) -> None:
+    """One step of a one-compiled-step layout: the biases moved by the sign rule on the
+    global loads (stats [main, MTP, balance, dropped, loads...]), the loss, parts and loads
+    recorded."""
+    from mindloom_parallel import moe_bias_step
+
+    st = stats.asnumpy().astype(np.float64)
+    moe_bias_step(biases, st[4:], SPEED)
+    rec["loss"].append(float(loss.asnumpy()))
+    rec["stats"].append(st[:4].tolist())
+    rec["loads"].append(st[4:].reshape(len(biases), -1).tolist())
 
 
 def run_dp_zero(name: str, out: Path) -> dict:
@@ -233,7 +250,6 @@ def run_dp_zero(name: str, out: Path) -> dict:
         init_expert_groups,
         init_parallel,
         is_expert_param,
-        moe_bias_step,
     )
     from mindspore import nn, ops
 
@@ -243,7 +259,7 @@ def run_dp_zero(name: str, out: Path) -> dict:
     model = DeepseekV3(cfg)
     ep, edp = init_expert_groups(groups.rank, pcfg)
     expert_parallel(model, ep)
-    LossStats, _ = _cells()
+    LossStats, _, _ = _cells()
     params = model.trainable_params()
     names = [p.name for p in params]
     dense = [p for p in params if not is_expert_param(p.name)]
@@ -281,11 +297,7 @@ def run_dp_zero(name: str, out: Path) -> dict:
     for b in batches(cfg.vocab_size):
         clock.tick()
         loss, stats = step(*_tensors(dp_slice(b, groups.dp_rank, pcfg.dp)))
-        st = stats.asnumpy().astype(np.float64)
-        moe_bias_step(biases, st[4:], SPEED)
-        rec["loss"].append(float(loss.asnumpy()))
-        rec["stats"].append(st[:4].tolist())
-        rec["loads"].append(st[4:].reshape(len(biases), -1).tolist())
+        _record(rec, biases, loss, stats)
     clock.tick()
     np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))
     moments = step.zero.full_moments()
@@ -301,7 +313,7 @@ def run_tp_ep(name: str, out: Path) -> dict:
     gradients over tp, dense over dp, expert blocks over the expert-data-parallel group
     (this rank alone here), the global norm, the loss and stats summed over dp."""
     import mindspore as ms
-    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, deepseek_tp_plan, moe_routers
+    from mindloom_model import DeepseekV3, deepseek_tp_plan, moe_routers
     from mindloom_parallel import (
         EPGradReducer,
         GradReducer,
@@ -313,7 +325,6 @@ def run_tp_ep(name: str, out: Path) -> dict:
         init_expert_groups,
         init_parallel,
         is_expert_param,
-        moe_bias_step,
         parallelize_deepseek_graph,
         tp_param_names,
     )
@@ -326,24 +337,13 @@ def run_tp_ep(name: str, out: Path) -> dict:
     ep, edp = init_expert_groups(groups.rank, pcfg)
     parallelize_deepseek_graph(model, pcfg, groups)
     expert_parallel(model, ep)
-    LossStats, AdamW = _cells()
+    _, AdamW, ForwardBackward = _cells()
     params = model.trainable_params()
     names = [p.name for p in params]
     plan = deepseek_tp_plan(cfg.first_k_dense_replace)
     partial = set(tp_param_names(model, plan, ("partial_grad",)))
     split = set(tp_param_names(model, plan, ("colwise", "rowwise", "vocab")))
     dense = [p for p in params if not is_expert_param(p.name)]
-
-    class FB(nn.Cell):
-        def __init__(self):
-            super().__init__(auto_prefix=False)
-            self.net = LossStats(DeepseekV3WithLoss(model))
-            self.weights = ms.ParameterTuple(params)
-
-        @ms.jit
-        def construct(self, tokens, labels, pos, seg, mask):
-            fn = ms.value_and_grad(self.net, None, self.weights, has_aux=True)
-            return fn(tokens, labels, pos, seg, mask)
 
     class Reduce(nn.Cell):
         def __init__(self):
@@ -367,7 +367,7 @@ def run_tp_ep(name: str, out: Path) -> dict:
             stats = self.sum_dp(ops.depend(stats, loss))
             return grads, loss.reshape(()), stats, norm
 
-    fb, reduce_, opt = FB(), Reduce(), AdamW(params)
+    fb, reduce_, opt = ForwardBackward(model, params), Reduce(), AdamW(params)
     biases = [r.expert_bias for r in moe_routers(model)]
     rec = {"loss": [], "stats": [], "loads": [], "grad_norm": [], "rank": groups.rank,
            "stage": 0, "ep_index": ep.index, "tp_index": groups.tp.index}  # fmt: skip
@@ -385,11 +385,7 @@ def run_tp_ep(name: str, out: Path) -> dict:
             acc = list(grads) if acc is None else [a + g for a, g in zip(acc, grads)]
         grads, loss, stats, norm = reduce_(ms.mutable(tuple(acc)), loss, stats)
         opt(ms.mutable(tuple(grads)))
-        st = stats.asnumpy().astype(np.float64)
-        moe_bias_step(biases, st[4:], SPEED)
-        rec["loss"].append(float(loss.asnumpy()))
-        rec["stats"].append(st[:4].tolist())
-        rec["loads"].append(st[4:].reshape(len(biases), -1).tolist())
+        _record(rec, biases, loss, stats)
         rec["grad_norm"].append(float(norm.asnumpy()))
     clock.tick()
     np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))

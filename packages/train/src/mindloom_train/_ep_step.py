@@ -101,13 +101,13 @@ class CompiledEP:
             model.set_train(True)  # the cells the split added start in inference mode
         self.ep, self.edp = init_expert_groups(g.rank, pcfg)
         expert_parallel(model, self.ep)
-        self.plan = deepseek_tp_plan(self.mcfg.first_k_dense_replace)
+        plan = deepseek_tp_plan(self.mcfg.first_k_dense_replace)
         # name -> the axis its tp shards split (none under tp = 1: nothing was split)
         self.tp_axis = {} if self.tp.size == 1 else {
-            **{n: 0 for n in tp_param_names(model, self.plan, ("colwise",))},
-            **{n: 1 for n in tp_param_names(model, self.plan, ("rowwise",))},
+            **{n: 0 for n in tp_param_names(model, plan, ("colwise",))},
+            **{n: 1 for n in tp_param_names(model, plan, ("rowwise",))},
         }  # fmt: skip
-        self._partial = set(tp_param_names(model, self.plan, ("partial_grad",)))
+        self._partial = set(tp_param_names(model, plan, ("partial_grad",)))
         return list(model.trainable_params())
 
     def _reducers(self, params: list, dense: list) -> None:
