@@ -188,9 +188,25 @@ def reference(out: Path) -> None:
         rec["stats"].append(st[:4].tolist())
         rec["loads"].append(loads.tolist())
         rec["biases"].append([bias.asnumpy().tolist() for bias in biases])
+    rec["eval"] = _eval_reference(model, batches(cfg.vocab_size)[0])
     np.savez(out / "reference.npz", **_state(model))
     np.savez(out / "reference_moments.npz", **{p.name: p.asnumpy() for p in (*opt.m, *opt.v)})
     (out / "reference.json").write_text(json.dumps(rec))
+
+
+def _eval_reference(model, batch: dict) -> float:
+    """The held-out loss of the final weights: the main model's CE (no MTP, no balance
+    term) of each micro-batch of ``batch``, averaged."""
+    from mindloom_model import causal_lm_loss
+
+    model.set_train(False)
+    losses = []
+    for j in range(N_MICRO):
+        tokens, labels, pos, seg, mask = _tensors({k: v[j * MBS : (j + 1) * MBS]
+                                                   for k, v in batch.items()})  # fmt: skip
+        losses.append(float(causal_lm_loss(model(tokens, pos, seg), labels, mask).asnumpy()))
+    model.set_train(True)
+    return float(np.mean(losses))
 
 
 def run_pp(name: str, out: Path) -> dict:
@@ -205,18 +221,22 @@ def run_pp(name: str, out: Path) -> dict:
     eng = MoEPipelineGraph(model, pcfg, groups, MBS)
     _, AdamW, _ = _cells()
     opt = AdamW(eng.params)
-    rec = {"loss": [], "stats": [], "loads": [], "rank": groups.rank, "stage": groups.pp_rank,
-           "ep_index": eng.ep.index, "tp_index": 0}  # fmt: skip
+    rec = {"loss": [], "stats": [], "loads": [], "grad_norm": [], "rank": groups.rank,
+           "stage": groups.pp_rank, "ep_index": eng.ep.index, "tp_index": 0}  # fmt: skip
     clock = _Clock(rec)
     for b in batches(cfg.vocab_size):
         clock.tick()
         loss, head, loads, grads = eng.step(dp_slice(b, groups.dp_rank, pcfg.dp))
+        rec["grad_norm"].append(eng.grad_norm(grads))
         opt(ms.mutable(tuple(grads)))  # a plain tuple input is a graph constant: recompiles
         eng.update_bias()
         rec["loss"].append(loss)
         rec["stats"].append(head.tolist())
         rec["loads"].append(loads.tolist())
     clock.tick()
+    model.set_train(False)
+    rec["eval"] = eng.eval_loss(dp_slice(batches(cfg.vocab_size)[0], groups.dp_rank, pcfg.dp))
+    model.set_train(True)
     np.savez(out / f"{name}_rank{groups.rank}.npz", **_state(model))
     return rec
 

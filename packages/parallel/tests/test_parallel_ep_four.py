@@ -131,17 +131,33 @@ def test_losses_and_expert_loads_equal_one_process(layout, runs):
     assert moved.shape == (3,) and (moved > 0).all(), moved
 
 
-def test_tp_ep_global_grad_norm_equals_one_process(runs):
-    """tp2 x ep2: the norm from the tp shards (summed over tp), the whole tensors once, the
-    MLA down-projections after their partial gradients are summed, and the expert blocks
-    over ep, against the norm of the one-process gradient computed in NumPy (float64)."""
-    if "tp2_ep2" not in LAYOUTS:
-        pytest.skip("tp2_ep2 not run (MINDLOOM_EP_LAYOUTS)")
+@pytest.mark.parametrize("layout", ["pp2_ep2", "tp2_ep2"])
+def test_global_grad_norm_equals_one_process(layout, runs):
+    """The global gradient norm against the norm of the one-process gradient computed in
+    NumPy (float64). tp2 x ep2: the tp shards summed over tp, the whole tensors once, the
+    MLA down-projections after their partial gradients are summed, the expert blocks over
+    ep. pp2 x ep2 (`MoEPipelineGraph.grad_norm`): each stage's dense tensors once (the
+    embedding's copy on the last stage, which the MTP block reads, not again), its expert
+    blocks over ep, the stages summed."""
+    if layout not in LAYOUTS:
+        pytest.skip(f"{layout} not run (MINDLOOM_EP_LAYOUTS)")
     want = np.array(runs["ref"]["grad_norm"])
     assert want.min() > 0
     for rank, res in runs["res"].items():
-        got = np.array(res["tp2_ep2"]["grad_norm"])
+        got = np.array(res[layout]["grad_norm"])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=f"rank {rank}")
+
+
+def test_pipeline_held_out_loss_equals_one_process(runs):
+    """`MoEPipelineGraph.eval_loss` (stage to stage, the main CE on the last stage, the dp
+    mean) of the first batch on the final weights against one process's CE of the same
+    micro-batches."""
+    if "pp2_ep2" not in LAYOUTS:
+        pytest.skip("pp2_ep2 not run (MINDLOOM_EP_LAYOUTS)")
+    want = runs["ref"]["eval"]
+    assert 0 < want < 20
+    for rank, res in runs["res"].items():
+        assert res["pp2_ep2"]["eval"] == pytest.approx(want, rel=1e-5, abs=0), rank
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -268,12 +268,16 @@ def test_memory_estimate_counts_deepseek_recompute(prepared, tmp_path):
 
 @pytest.mark.parametrize(
     ("sections", "key"),
-    [({"parallelism": {"pp": 2, "micro_batch_num": 2}}, "parallelism.pp: 2"),
+    [({"parallelism": {"pp": 2, "tp": 2, "micro_batch_num": 2}}, "parallelism.tp: 2"),
+     ({"parallelism": {"pp": 2, "dp": 2, "ep": 2, "zero_stage": 1}}, "parallelism.zero_stage: 1"),
      ({"parallelism": {"dp": 2, "zero_stage": 1}}, "parallelism.zero_stage: 1"),
      ({"parallelism": {"dp": 1, "tp": 2}, "context": {"mode": "pynative"}},
       "context.mode: pynative")],
 )  # fmt: skip
-def test_pp_zero_pynative_refuse_the_family_in_one_line(prepared, tmp_path, sections, key):
+def test_unwired_layouts_refuse_the_family_in_one_line(prepared, tmp_path, sections, key):
+    """The layouts no compiled DeepSeek-V3 step runs: tensor parallel or ZeRO-1 inside
+    pipeline stages, ZeRO-1 without ep, PyNative. Each is refused in one line naming the
+    key; the layouts that run (dp x tp x ep, pp x dp x ep) build."""
     from mindloom_train._config import ConfigError, from_dict
     from mindloom_train._modelcfg import build_model_config
 
@@ -282,9 +286,9 @@ def test_pp_zero_pynative_refuse_the_family_in_one_line(prepared, tmp_path, sect
                        "deepseek_v3") as exc:  # fmt: skip
         build_model_config(cfg, 65)
     assert "\n" not in str(exc.value)
-    # the same run under data, tensor (graph mode) and expert parallel builds
-    cfg = from_dict(_config(prepared, tmp_path / "r", parallelism={"dp": 2, "tp": 2, "ep": 2}))
-    assert build_model_config(cfg, 65).family == "deepseek_v3"
+    for ok in ({"dp": 2, "tp": 2, "ep": 2}, {"pp": 2, "dp": 2, "ep": 2}):
+        cfg = from_dict(_config(prepared, tmp_path / "r", parallelism=ok))
+        assert build_model_config(cfg, 65).family == "deepseek_v3"
 
 
 def test_launch_refuses_zero_for_the_family_before_any_worker(prepared, tmp_path, capsys):

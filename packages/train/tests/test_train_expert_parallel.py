@@ -184,7 +184,7 @@ def test_zero1_with_ep_is_the_ep_step_and_is_no_longer_refused(prepared, tmp_pat
     assert build_model_config(cfg, 65).family == "deepseek_v3"
     cfg = from_dict(_config(prepared, tmp_path, parallelism={"dp": 2, "zero_stage": 1}))
     with pytest.raises(ConfigError, match=r"parallelism.zero_stage: 1 is not supported .*"
-                       r"with ZeRO-1 only under parallelism.ep > 1\); use 0$"):  # fmt: skip
+                       r"without expert parallel \(ZeRO-1 runs under parallelism.ep > 1\); use 0$"):  # fmt: skip
         build_model_config(cfg, 65)
 
 

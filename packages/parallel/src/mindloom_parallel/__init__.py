@@ -108,6 +108,7 @@ __all__ = [
     "set_parent_death_signal",
     "shard_tensor",
     "stage_layers",
+    "sum_over_group",
     "tensor_layout",
     "tp_param_names",
     "validate",
@@ -153,6 +154,7 @@ _LAZY = {
     "ZeroAdamWGraph": "_pp_graph",
     "ZeroShardUpdate": "_zero_graph",
     "gather_rows": "_zero",
+    "sum_over_group": "_zero",
     "vocab_start": "_tp",
 }
 

@@ -26,13 +26,14 @@ inside data parallel, as compiled stage graphs; the 1F1B schedule stays in Pytho
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindloom_parallel._comm import all_reduce
+from mindloom_parallel._comm import CommRecorder, CommStats, all_reduce, exchange
 from mindloom_parallel._dp import GradReducer
 from mindloom_parallel._engine import StageQueues
 from mindloom_parallel._ep import (
@@ -42,6 +43,7 @@ from mindloom_parallel._ep import (
     is_expert_param,
 )
 from mindloom_parallel._pp import one_f_one_b, stage_layers
+from mindloom_parallel._pp_graph import _SquareSum
 
 __all__ = ["MoEPipelineGraph", "deepseek_stage", "moe_bias_step", "stage_routers"]
 
@@ -98,6 +100,8 @@ class _MoEStage(nn.Cell):
         cos, sin, bias = m.attention_inputs(pos, seg)
         if self.first:
             x = m.embed(x)
+            if m.embed_dropout is not None:
+                x = m.embed_dropout(x)
         loads = []
         aux = ops.zeros((), ms.float32)
         dropped = ops.zeros((), ms.float32)
@@ -154,6 +158,29 @@ class _Backward(nn.Cell):
         return out[2], dx, new
 
 
+class _EvalForward(nn.Cell):
+    """The held-out forward of one stage: the hidden state, or on the last stage the main
+    model's next-token CE of the micro-batch (``MoEEvalNet``'s: no MTP, no balance term)."""
+
+    def __init__(self, model, first: bool, last: bool):
+        super().__init__(auto_prefix=False)
+        from mindloom_model import causal_lm_loss
+
+        self.model, self.first, self.last, self.ce = model, first, last, causal_lm_loss
+
+    @ms.jit
+    def construct(self, x, pos, seg, labels, mask):
+        m = self.model
+        cos, sin, bias = m.attention_inputs(pos, seg)
+        if self.first:
+            x = m.embed(x)
+        for layer in m.layers:
+            x = layer(x, cos, sin, bias)[0]
+        if self.last:
+            return self.ce(m.head(m.norm(x)), labels, mask)
+        return x
+
+
 class MoEPipelineGraph:
     """One rank's stage of a DeepSeek-V3 under pp (x dp, ep inside dp; tp = 1): the model is
     cut and its experts split in place. ``step(batch)`` runs 1F1B over this data-parallel
@@ -169,6 +196,11 @@ class MoEPipelineGraph:
             raise ValueError(f"MoEPipelineGraph runs tp = 1 (got tp = {pcfg.tp})")
         self.cfg, self.pcfg, self.groups = cfg, pcfg, groups
         self.micro_batch_size = micro_batch_size
+        # the stage exchanges and the gradient reduction are timed into comm_stats while a
+        # step runs (forward_backward), as ParallelEngine's
+        self.comm_stats = CommStats()
+        self._recorder = CommRecorder()
+        groups = self.groups = groups.with_recorder(self._recorder)
         first, last = groups.is_first_stage, groups.is_last_stage
         self.layer_ids = stage_layers(cfg.num_layers, pcfg.pp, groups.pp_rank)
         deepseek_stage(model, self.layer_ids, first, last)
@@ -193,7 +225,14 @@ class MoEPipelineGraph:
                            if n == "embed.weight" and pcfg.pp > 1]  # fmt: skip
         self._fwd = _Forward(self.stage)
         self._bwd = _Backward(self.stage, ms.ParameterTuple(self.params), first)
-        self.last_loads = None
+        self._eval = _EvalForward(model, first, last)
+        # the global norm: this stage's dense tensors (the embedding's copy on the last
+        # stage not again), its expert blocks summed over ep, then the stages summed
+        expert = [is_expert_param(n) for n in self.param_names]
+        copy = {i for i in self._embed_idx if not first}
+        self._dense_sq = _SquareSum(tuple(not e and i not in copy for i, e in enumerate(expert)))
+        self._expert_sq = _SquareSum(tuple(expert))
+        self.last_loads = self.last_local_loads = self.last_head = None
 
     def _micro(self, batch: dict, i: int) -> dict:
         b = self.micro_batch_size
@@ -217,7 +256,11 @@ class MoEPipelineGraph:
         """-> (loss, stats [main, MTP, balance, dropped] summed over the global batch's
         micro-batches, this stage's loads [R_stage, E] of the global batch, grads)."""
         g, pcfg = self.groups, self.pcfg
-        nmb = pcfg.micro_batch_num
+        nmb = pcfg.micro_batch_num  # the stage's loss scale holds it
+        if batch["tokens"].shape[0] != nmb * self.micro_batch_size:
+            raise ValueError(f"rank {g.rank}: a step takes micro_batch_num * micro_batch_size "
+                             f"= {nmb} * {self.micro_batch_size} samples per data-parallel "
+                             f"rank, got {batch['tokens'].shape[0]}")  # fmt: skip
         micro = [self._micro(batch, i) for i in range(nmb)]
         shape = (self.micro_batch_size, micro[0]["tokens"].shape[1], self.cfg.hidden_size)
         q = StageQueues(g, shape, self.model.compute_dtype)
@@ -249,15 +292,69 @@ class MoEPipelineGraph:
                 q.communicate(act[0])
         grads = list(acc)
         for i in self._embed_idx:  # the MTP blocks' use of the embedding, on the last stage
-            grads[i] = all_reduce(grads[i], g.embed, timed=False)
+            grads[i] = all_reduce(grads[i], g.embed)
+        t0 = time.perf_counter()
         grads = self.reducer(tuple(grads))
-        # the global batch at this stage's routers: summed over the stage's dp ranks
+        _ = grads[0].asnumpy() if grads else None  # the reduction's own time (it runs async)
+        self.comm_stats.time_s += time.perf_counter() - t0
+        self.comm_stats.calls += 1
+        # this rank's own loads (the tokens it routes), then the global batch at this
+        # stage's routers: summed over the stage's dp ranks
+        self.last_local_loads = stats.asnumpy()[N_HEAD:].astype(np.float64)
         stats = all_reduce(stats, g.dp, timed=False).asnumpy().astype(np.float64)
         head = all_reduce(Tensor(stats[:N_HEAD].astype(np.float32)), g.pp, timed=False)
         head = head.asnumpy().astype(np.float64)
         self.last_loads = stats[N_HEAD:].reshape(len(self.routers), -1)
+        self.last_head = head
         loss = (head[0] + self.stage.w * head[1] + head[2]) / (nmb * pcfg.dp)
         return float(loss), head, self.last_loads, grads
+
+    # ------------------------------------------------------------------ the engine's API
+    # (what a trainer calls on ParallelEngine / PipelineGraph: forward_backward, grad_norm,
+    # eval_loss, comm_stats, params, param_names)
+
+    def forward_backward(self, batch: dict, dropout_keys=None):
+        """``step`` with its communication timed into ``comm_stats`` -> (loss, grads).
+        ``dropout_keys`` is accepted for the engine's signature; DeepSeek-V3 draws
+        MindSpore's stateful dropout masks (as its compiled one-process step)."""
+        self.comm_stats.reset()
+        with self._recorder.recording(self.comm_stats):
+            loss, _, _, grads = self.step(batch)
+        return loss, tuple(grads)
+
+    def grad_norm(self, grads) -> float:
+        """The global L2 norm of the whole model's gradient (the reduced ``grads``): this
+        stage's dense tensors once (the embedding on its first stage), its expert blocks
+        summed over the ep group, the stages summed over the pipeline."""
+        grads = ms.mutable(tuple(grads))
+        sq = self._dense_sq(grads) + all_reduce(self._expert_sq(grads), self.ep, timed=False)
+        sq = all_reduce(sq, self.groups.pp, timed=False, host=True)
+        return float(np.sqrt(np.float64(sq.asnumpy()[0])))
+
+    def eval_loss(self, batch: dict) -> float:
+        """The held-out loss of this data-parallel rank's slice (any multiple of
+        ``micro_batch_size`` samples): the main CE averaged over its micro-batches, then
+        over the dp ranks, the same value on every rank. Nothing is taped."""
+        g, b = self.groups, self.micro_batch_size
+        n = batch["tokens"].shape[0]
+        if n % b:
+            raise ValueError(f"rank {g.rank}: an eval batch of {n} samples is not a multiple "
+                             f"of micro_batch_size = {b}")  # fmt: skip
+        shape = (b, batch["tokens"].shape[1], self.cfg.hidden_size)
+        dtype = self.model.compute_dtype
+        total = 0.0
+        for i in range(n // b):
+            mb = self._micro(batch, i)
+            x = mb["tokens"] if g.is_first_stage else exchange(None, shape, dtype, g.pp_prev)
+            out = self._eval(x, mb["pos"], mb["seg"], mb["labels"], mb["mask"])
+            if g.is_last_stage:
+                total += float(out.asnumpy())
+            else:
+                exchange(out, None, dtype, g.pp_next)
+        mine = np.array([total / (n // b) / g.dp.size], np.float32)
+        loss = all_reduce(Tensor(mine), g.dp, timed=False, host=True)  # the dp mean
+        loss = all_reduce(loss, g.pp, timed=False, host=True)  # from the last stage
+        return float(loss.asnumpy()[0])
 
     def update_bias(self) -> None:
         """After the optimizer step: every router of this stage moves by the global loads."""

@@ -71,11 +71,15 @@ def build_model(cfg: Config, runtime, vocab_size: int, log: Callable[[str], None
             f"config key model.first_k_dense_replace: {mcfg.first_k_dense_replace} of "
             f"{mcfg.num_layers} layers dense and no MTP MoE block leaves no router to train"
         )
-    if moe and runtime.use_engine:  # (a config check refuses these layouts earlier)
-        raise ConfigError(
-            "config parallelism: family deepseek_v3 trains under data, tensor and expert "
-            "parallel only (pp and zero_stage without ep are not wired for MoE yet)"
-        )
+    if moe and runtime.use_engine:
+        from mindloom_train._modelcfg import _check_deepseek_layout
+
+        _check_deepseek_layout(cfg)  # again: a Hugging Face model skips build_model_config
+        if not getattr(runtime, "compiled_pp", False):  # (refused there too)
+            raise ConfigError(
+                "config parallelism: family deepseek_v3 trains under the compiled data, "
+                "tensor, expert and pipeline parallel steps only"
+            )
     if moe and getattr(runtime, "compiled_tp", False):
         # the family is known only now: DeepSeek-V3's tensor parallel is the compiled
         # expert-parallel step with its model split by deepseek_tp_plan (_ep_step)

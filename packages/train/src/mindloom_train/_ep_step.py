@@ -42,7 +42,65 @@ def compiled_ep(dims) -> bool:
     return getattr(dims, "ep", 1) > 1 and dims.pp == 1
 
 
-class CompiledEP:
+class EPTraffic:
+    """An expert-parallel rank's token traffic (token-slots sent and received per step,
+    from its own and the global loads) and the exchange probe timed at log steps; the
+    compiled step (`CompiledEP`) and the pipeline stages (`_pp_ep_step`) share it."""
+
+    def __init__(self, mcfg, pcfg, groups, ep, edp, model, micro_batch_size: int,
+                 seq_length: int, accum: int):  # fmt: skip
+        self.mcfg, self.pcfg, self.groups, self.ep, self.edp = mcfg, pcfg, groups, ep, edp
+        self.exchange = ExchangeProbe(ep, model, micro_batch_size, seq_length, accum)
+        self._sent = self._received = 0.0
+        self._steps = 0
+        self.last = None
+
+    def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
+        from mindloom_parallel import ep_traffic
+
+        e = self.mcfg.n_routed_experts  # the stats hold [routers * E] flat
+        sent, received = ep_traffic(np.reshape(local_loads, (-1, e)),
+                                    np.reshape(global_loads, (-1, e)), self.pcfg.ep,
+                                    self.ep.index)  # fmt: skip
+        if self.edp.size > 1:
+            received = float("nan")  # the dp sums mix other ep groups' slots
+        self._sent += sent
+        self._received += received
+        self._steps += 1
+
+    def traffic(self) -> tuple[float, float]:
+        """Mean token-slots sent / received per step since the last call (this rank)."""
+        n = max(self._steps, 1)
+        out = (self._sent / n, self._received / n)
+        self._sent = self._received = 0.0
+        self._steps = 0
+        return out
+
+    def exchange_fields(self, graphs, step_time: float, probe: bool) -> dict:
+        """At log steps every rank reaches (`probe`): the exchange probe timed and every
+        rank's (exchange s, sent, received) gathered; other records repeat the last."""
+        from mindloom_parallel import gather_rows
+
+        sent, received = self.traffic()
+        if not probe and self.last is not None:
+            return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
+        t0 = time.perf_counter()
+        graphs.run("ep_exchange", self.exchange.cell, self.exchange.inputs)[0].asnumpy()
+        took = time.perf_counter() - t0
+        rows = gather_rows([took, sent, received, step_time], self.groups.world)
+        share = [min(1.0, float(r[0] / r[3])) if r[3] > 0 else 0.0 for r in rows]
+        self.last = {
+            "ep_exchange_s": took,
+            "ep_exchange_share": share[self.groups.rank],
+            "ep_exchange_s_ranks": [float(r[0]) for r in rows],
+            "ep_exchange_share_ranks": share,
+            "ep_tokens_sent_ranks": [float(r[1]) for r in rows],
+            "ep_tokens_received_ranks": [_num(r[2]) for r in rows],
+        }
+        return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
+
+
+class CompiledEP(EPTraffic):
     """The split model and the graph cells of a compiled expert-parallel step."""
 
     def __init__(self, built, cfg, runtime, log: Callable[[str], None]):
@@ -71,17 +129,15 @@ class CompiledEP:
             self.zero = EPZeroShardUpdate(params, g.dp, self.edp, flags, pcfg.bucket_size_mb)
         # the exchange in a graph of its own (see exchange_fields), and the step's whole
         # communication (the exchange + the dense buckets) for the runner's comm_probe
-        self.exchange = ExchangeProbe(self.ep, built.model, cfg.training.micro_batch_size,
-                                      cfg.train_dataset.seq_length, cfg.grad_accum_steps)  # fmt: skip
+        EPTraffic.__init__(self, built.mcfg, pcfg, g, self.ep, self.edp, built.model,
+                           cfg.training.micro_batch_size, cfg.train_dataset.seq_length,
+                           cfg.grad_accum_steps)  # fmt: skip
         probe_dp = GradReducer(dense, g.dp, pcfg.bucket_size_mb, mean=True)
         self.comm_probe = StepCommProbe(self.exchange, probe_dp)
         self.comm_inputs = self.exchange.inputs + tuple(
             ms.Tensor(np.zeros(p.shape, np.float32)) for p in dense
         )
         self.ep_index = self.ep.index
-        self._sent = self._received = 0.0
-        self._steps = 0
-        self.last = None
         self._log_layout(params, log)
 
     def _split(self, model) -> list:
@@ -263,50 +319,6 @@ class CompiledEP:
         out[expert, :3] = every[:, expert, :3].astype(np.float64).sum(0)
         out[expert, 3:] = every[:, expert, 3:].astype(np.float64).mean(0)
         return out
-
-    def add_step(self, local_loads: np.ndarray, global_loads: np.ndarray) -> None:
-        from mindloom_parallel import ep_traffic
-
-        e = self.mcfg.n_routed_experts  # the stats hold [routers * E] flat
-        sent, received = ep_traffic(np.reshape(local_loads, (-1, e)),
-                                    np.reshape(global_loads, (-1, e)), self.pcfg.ep,
-                                    self.ep.index)  # fmt: skip
-        if self.edp.size > 1:
-            received = float("nan")  # the dp sums mix other ep groups' slots
-        self._sent += sent
-        self._received += received
-        self._steps += 1
-
-    def traffic(self) -> tuple[float, float]:
-        """Mean token-slots sent / received per step since the last call (this rank)."""
-        n = max(self._steps, 1)
-        out = (self._sent / n, self._received / n)
-        self._sent = self._received = 0.0
-        self._steps = 0
-        return out
-
-    def exchange_fields(self, graphs, step_time: float, probe: bool) -> dict:
-        """At log steps every rank reaches (`probe`): the exchange probe timed and every
-        rank's (exchange s, sent, received) gathered; other records repeat the last."""
-        from mindloom_parallel import gather_rows
-
-        sent, received = self.traffic()
-        if not probe and self.last is not None:
-            return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
-        t0 = time.perf_counter()
-        graphs.run("ep_exchange", self.exchange.cell, self.exchange.inputs)[0].asnumpy()
-        took = time.perf_counter() - t0
-        rows = gather_rows([took, sent, received, step_time], self.groups.world)
-        share = [min(1.0, float(r[0] / r[3])) if r[3] > 0 else 0.0 for r in rows]
-        self.last = {
-            "ep_exchange_s": took,
-            "ep_exchange_share": share[self.groups.rank],
-            "ep_exchange_s_ranks": [float(r[0]) for r in rows],
-            "ep_exchange_share_ranks": share,
-            "ep_tokens_sent_ranks": [float(r[1]) for r in rows],
-            "ep_tokens_received_ranks": [_num(r[2]) for r in rows],
-        }
-        return {**self.last, "ep_tokens_sent": sent, "ep_tokens_received": _num(received)}
 
 
 def _base(key: str) -> str:

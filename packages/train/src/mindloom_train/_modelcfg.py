@@ -78,18 +78,7 @@ def build_model_config(cfg: Config, vocab_size: int | None):
         over["recompute_layers"] = list(cfg.recompute.layers)
     over.setdefault("init_seed", cfg.seed)
     if over.get("family", _preset_family(cfg)) == "deepseek_v3":
-        # the MoE layers run on the compiled data / tensor / expert-parallel step only (the
-        # pipeline runner is not wired for them; ZeRO-1 is, under ep > 1): refused here,
-        # so `mindloom launch` stops before the tokenizer or any worker
-        p = cfg.parallelism
-        for key, value, off in (("pp", p.pp, 1), ("zero_stage", p.zero_stage, 0),
-                                ("context.mode", cfg.context.mode, "graph")):  # fmt: skip
-            if value != off and not (key == "zero_stage" and p.ep > 1):
-                raise ConfigError(
-                    f"config key {key if '.' in key else 'parallelism.' + key}: {value} is not "
-                    f"supported for family deepseek_v3 (data, tensor and expert parallel, "
-                    f"with ZeRO-1 only under parallelism.ep > 1); use {off}"
-                )
+        _check_deepseek_layout(cfg)
     try:
         preset = cfg.model.preset
         mcfg = get_preset(preset, **over) if preset else ModelConfig(**over)
@@ -101,6 +90,30 @@ def build_model_config(cfg: Config, vocab_size: int | None):
             f"train_dataset.seq_length {cfg.train_dataset.seq_length}"
         )
     return mcfg
+
+
+def _check_deepseek_layout(cfg: Config) -> None:
+    """The layouts the MoE layers run on: the compiled data / tensor / expert-parallel step
+    (ZeRO-1 under ep > 1) and the compiled pipeline stages (pp > 1 with dp and ep, tp = 1,
+    no ZeRO-1). Refused here, so `mindloom launch` stops before the tokenizer or any
+    worker."""
+    p = cfg.parallelism
+    if cfg.context.mode != "graph":
+        raise ConfigError(f"config key context.mode: {cfg.context.mode} is not supported for "
+                          f"family deepseek_v3 (its steps are compiled); use graph")  # fmt: skip
+    if p.pp > 1:
+        for key, value in (("tp", p.tp), ("zero_stage", p.zero_stage)):
+            if value != (1 if key == "tp" else 0):
+                raise ConfigError(
+                    f"config key parallelism.{key}: {value} is not supported for family "
+                    f"deepseek_v3 with parallelism.pp = {p.pp} (its pipeline stages run data "
+                    f"and expert parallel); use {1 if key == 'tp' else 0}"
+                )
+    elif p.zero_stage != 0 and p.ep <= 1:
+        raise ConfigError(
+            f"config key parallelism.zero_stage: {p.zero_stage} is not supported for family "
+            f"deepseek_v3 without expert parallel (ZeRO-1 runs under parallelism.ep > 1); use 0"
+        )
 
 
 def _preset_family(cfg: Config) -> str:

@@ -330,6 +330,12 @@ class CompiledRunner(CompiledComm):
 def make_runner(built, cfg: Config, runtime, log: Callable[[str], None]) -> StepRunner:
     """The one place the step path is chosen."""
     if getattr(runtime, "compiled_pp", False):
+        from mindloom_train._moe import is_moe
+
+        if is_moe(built.mcfg):  # DeepSeek-V3's stages (MoE, MTP, ep inside dp)
+            from mindloom_train._pp_ep_step import MoEPPRunner
+
+            return MoEPPRunner(built, cfg, runtime, log)
         from mindloom_train._pp_step import PPRunner
 
         return PPRunner(built, cfg, runtime, log)
