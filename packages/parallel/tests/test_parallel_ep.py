@@ -223,3 +223,29 @@ def test_ep_capacity_drops_at_the_source_like_one_process_and_numpy():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=f"rank {r}")
         # y - shared of the one-process layer: fp32 rounding of outputs up to ~15
         np.testing.assert_allclose(got, one_process[r][0], rtol=1e-5, atol=1e-5)
+
+
+def test_slice_tp_shards_cuts_each_split_tensor_and_its_moments_by_hand():
+    """The load side of a tp x ep checkpoint: every split tensor and its moments cut to
+    this rank's block on the plan's axis (NumPy's own split as the reference), the rest
+    untouched, and a tensor the axis cannot split named in one line."""
+    import numpy as np
+    from mindloom_parallel import slice_tp_shards
+
+    rng = np.random.default_rng(0)
+    arrays = {"a.weight": rng.normal(size=(4, 6)), "exp_avg.a.weight": rng.normal(size=(4, 6)),
+              "exp_avg_sq.b.weight": rng.normal(size=(3, 8)), "b.weight": rng.normal(size=(3, 8)),
+              "norm.weight": rng.normal(size=(5,))}  # fmt: skip
+    axes = {"a.weight": 0, "b.weight": 1}
+    for index in range(2):
+        got = slice_tp_shards(arrays, axes, index, 2)
+        assert sorted(got) == sorted(arrays)
+        for key in ("a.weight", "exp_avg.a.weight"):
+            np.testing.assert_array_equal(got[key], np.split(arrays[key], 2, 0)[index])
+        for key in ("b.weight", "exp_avg_sq.b.weight"):
+            np.testing.assert_array_equal(got[key], np.split(arrays[key], 2, 1)[index])
+        assert got["norm.weight"] is arrays["norm.weight"]
+    assert slice_tp_shards(arrays, axes, 0, 1)["a.weight"] is arrays["a.weight"]
+    with pytest.raises(ValueError, match=r"^tensor 'a.weight' has shape \[4, 6\], which tp = 3 "
+                       r"cannot split on axis 0$"):  # fmt: skip
+        slice_tp_shards(arrays, axes, 0, 3)

@@ -11,7 +11,9 @@ micro-batches per rank and step (1F1B). Runs:
   4 micro-batches;
 - P: `mindloom launch --nproc 4` resuming a copy of B's step-1 checkpoint (one process ->
   pp2 x ep2), steps 2-20, a checkpoint every 5 steps (every rank writes its own blocks),
-  the held-out loss over 2 micro-batches per dp rank (B's 4);
+  the held-out loss over 2 micro-batches per dp rank (B's 4); its end save at step 20
+  loses rank 3 (stage 1, an expert block's only writer) mid-write: the job fails and
+  `latest` must stay on step 15;
 - PR: one process resuming P's step-10 checkpoint (pp2 x ep2 -> one process), steps 11-20.
 
 References: B and PR (one process: no mindloom_parallel code on their path); B's losses,
@@ -39,7 +41,6 @@ from train_testutil import (
     start_launch,
     step_records,
     stop_launches,
-    wait_launches,
 )
 
 pytestmark = [pytest.mark.msrun, pytest.mark.slow]
@@ -86,14 +87,15 @@ def runs(prepared, tmp_path_factory) -> dict:
     # eval_iters per dp rank: 2 x 2 ranks = B's 4 micro-batches, the same samples
     cfg = _config(prepared, p, parallelism=PP_EP, training={"eval_iters": 2},
                   checkpoint={"save_interval": 5})  # fmt: skip
-    procs = {"p": start_launch(cfg, root / "p.yaml", nproc=4, timeout_s=600)}
+    procs = {"p": start_launch(cfg, root / "p.yaml", fault="kill_save@20:3", nproc=4,
+                               timeout_s=600)}  # fmt: skip
     try:
-        wait_launches(procs, timeout_s=660)
+        _, err = procs["p"].communicate(timeout=660)
     finally:
         stop_launches(procs, {"p": p / "msrun_logs"})
     _seed(p, 10, pr)
     _train(_config(prepared, pr, checkpoint={"save_interval": 0}), root / "pr.yaml")
-    return {"b": b, "p": p, "pr": pr}
+    return {"b": b, "p": p, "pr": pr, "p_code": procs["p"].returncode, "p_err": err}
 
 
 def _tensors(run: Path, step: int) -> dict[str, np.ndarray]:
@@ -180,7 +182,7 @@ def test_per_rank_checkpoints_hold_the_one_process_tensors(runs):
     moved slot (see above) the weights within 1e-3 and the moments, which hold that slot's
     gradient, not compared."""
     first = _first_moved(step_records(runs["b"]), step_records(runs["p"]))
-    for step in (5, 10, 15, 20):
+    for step in (5, 10, 15):
         tb, tp = _tensors(runs["b"], step), _tensors(runs["p"], step)
         assert sorted(tb) == sorted(tp)
         for k in tb:
@@ -203,9 +205,21 @@ def test_per_rank_checkpoints_hold_the_one_process_tensors(runs):
         )
         for key in ("step", "consumed_samples", "consumed_tokens", "data", "adam_step"):
             assert cp.get(key) == cb.get(key), (step, key)
-    meta = json.loads((runs["p"] / "checkpoints" / "step_00000020" / "metadata.json").read_text())
+    meta = json.loads((runs["p"] / "checkpoints" / "step_00000015" / "metadata.json").read_text())
     w1 = meta["tensors"]["layers.3.mlp.experts.w1"]
     assert sorted(c["offset"][0] for c in w1["chunks"]) == [0, 4]
+
+
+def test_a_rank_killed_mid_write_leaves_latest_on_the_previous_checkpoint(runs):
+    """P's end save at step 20 loses rank 3 after its first file: the job fails, no step 20
+    exists at a final path, `latest` still names step 15 (the checks above read it)."""
+    from mindloom_train._checkpoint import complete_steps, read_tracker
+
+    save = runs["p"] / "checkpoints"
+    assert runs["p_code"] != 0, runs["p_err"][-2000:]
+    assert 20 in step_records(runs["p"])  # the step ran; only its save was lost
+    assert read_tracker(save) == 15 and complete_steps(save) == [1, 5, 10, 15]
+    assert not (save / "step_00000020").exists()
 
 
 def test_pipeline_checkpoint_resumes_on_one_process(runs):

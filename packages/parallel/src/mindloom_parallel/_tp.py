@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindloom_parallel._comm import (
@@ -249,11 +250,33 @@ def gather_tp_shards(arrays: dict, axes: dict[str, int], tp: Group) -> dict:
 
     out = {}
     for key in sorted(arrays):
-        head, _, rest = key.partition(".")
-        axis = axes.get(rest if head in ("exp_avg", "exp_avg_sq") else key)
+        axis = axes.get(_param_of(key))
         if axis is not None:
             out[key] = all_gather(Tensor(arrays[key]), tp, axis, timed=False).asnumpy()
     return out
+
+
+def slice_tp_shards(arrays: dict, axes: dict[str, int], index: int, size: int) -> dict:
+    """``gather_tp_shards``' inverse for one rank: each array whose key is in ``axes`` (moment
+    keys matched by their parameter name) cut to block ``index`` of ``size`` on its split
+    axis; the others as they are. A tensor the axis cannot split is a ValueError naming it."""
+    out = {}
+    for key, arr in arrays.items():
+        axis = axes.get(_param_of(key))
+        if axis is not None and size > 1:
+            if arr.ndim <= axis or arr.shape[axis] % size:
+                raise ValueError(f"tensor {key!r} has shape {list(arr.shape)}, which tp = "
+                                 f"{size} cannot split on axis {axis}")  # fmt: skip
+            k = arr.shape[axis] // size
+            arr = np.ascontiguousarray(np.take(arr, range(index * k, (index + 1) * k), axis))
+        out[key] = arr
+    return out
+
+
+def _param_of(key: str) -> str:
+    """The parameter name of a checkpoint key (``exp_avg.<name>`` -> ``<name>``)."""
+    head, _, rest = key.partition(".")
+    return rest if head in ("exp_avg", "exp_avg_sq") else key
 
 
 def _rename(model) -> None:

@@ -257,22 +257,16 @@ class CompiledEP(EPTraffic):
     def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
         """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and
         their moments) cut to its block of experts, everything else as is."""
-        from mindloom_parallel import expert_block, is_expert_param
+        from mindloom_parallel import expert_block, is_expert_param, slice_tp_shards
 
         e = self.mcfg.n_routed_experts
         start, count = expert_block(e, self.pcfg.ep, self.ep.index)
+        try:  # this tp rank's block of each split tensor (and of its moments)
+            arrays = slice_tp_shards(arrays, self.tp_axis, self.tp.index, self.tp.size)
+        except ValueError as exc:
+            raise ck.CheckpointError(f"{where}: {exc}") from None
         out = {}
         for name, arr in arrays.items():
-            axis = self.tp_axis.get(_base(name))
-            if axis is not None:  # this tp rank's block of a split tensor
-                n, r = self.tp.size, self.tp.index
-                if arr.ndim <= axis or arr.shape[axis] % n:
-                    raise ck.CheckpointError(
-                        f"{where}: tensor {name!r} has shape {list(arr.shape)}, which tp = "
-                        f"{n} cannot split on axis {axis}"
-                    )
-                k = arr.shape[axis] // n
-                arr = np.ascontiguousarray(np.take(arr, range(r * k, (r + 1) * k), axis))
             if is_expert_param(name):
                 if arr.shape[0] != e:
                     raise ck.CheckpointError(
@@ -319,12 +313,6 @@ class CompiledEP(EPTraffic):
         out[expert, :3] = every[:, expert, :3].astype(np.float64).sum(0)
         out[expert, 3:] = every[:, expert, 3:].astype(np.float64).mean(0)
         return out
-
-
-def _base(key: str) -> str:
-    """The parameter name of a checkpoint key (`exp_avg.<name>` -> `<name>`)."""
-    head, _, rest = key.partition(".")
-    return rest if head in ("exp_avg", "exp_avg_sq") else key
 
 
 def _num(v) -> float | None:
