@@ -222,6 +222,8 @@ def test_bias_follows_the_numpy_rule_from_the_global_loads(runs):
 
 
 def test_checkpoint_holds_global_expert_tensors_and_the_split(runs):
+    """L's checkpoint reads back as the one-process tensors (names and shapes), its
+    metadata records the split, and each expert block sits in its owner's file."""
     ta, tb = _tensors(runs["a"], 20), _tensors(runs["l"], 20)
     assert sorted(ta) == sorted(tb)  # the one-process names: any layout loads it
     for k in ta:
@@ -230,6 +232,16 @@ def test_checkpoint_holds_global_expert_tensors_and_the_split(runs):
     meta = json.loads((runs["l"] / "checkpoints" / "step_00000020" / "metadata.json").read_text())
     assert meta["expert_parallel"]["ep_rank_experts"] == [[0, 4], [4, 8]]
     assert meta["expert_parallel"]["expert_dp"] == 1
+    # written per owning rank: each rank's block of experts (and under ZeRO-1 its own
+    # blocks' moments) in its own file, at its global expert offset
+    for key, kind in (
+        ("layers.1.mlp.experts.w1", "model"),
+        ("exp_avg.layers.1.mlp.experts.w1", "optim"),
+    ):
+        chunks = meta["tensors"][key]["chunks"]
+        assert sorted((c["offset"][0], c["file"]) for c in chunks) == [
+            (0, f"{kind}-0000000-0000002.safetensors"), (4, f"{kind}-0000001-0000002.safetensors")
+        ], key  # fmt: skip
 
 
 def test_zero1_update_of_every_tensor_is_numpy_adamw(runs):

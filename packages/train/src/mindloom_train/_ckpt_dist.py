@@ -73,6 +73,8 @@ class DistributedCheckpoints:
         if self.rt.rank == 0:
             metadata = ck.default_metadata({}, self.rt.world)
             metadata["layout"] = self._layout()
+            # the runner's own description of its split (DeepSeek-V3: expert_parallel, ...)
+            metadata.update(getattr(self.runner, "checkpoint_metadata", dict)())
             job.dist.update(metadata=metadata, common=self._common(step))
         progress = self.fault.on_save_progress if self.fault else None
 

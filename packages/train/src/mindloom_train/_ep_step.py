@@ -14,12 +14,10 @@ exchange probe for `comm_fields`, and the token traffic per rank. The MoE stats 
 expert loads, the bias update) are `_moe.MoEStepParts`' data-parallel sums as before (the
 tp ranks of a replica see the same tokens).
 
-Checkpoints hold global tensors, the same names and shapes as a one-process checkpoint:
-at a save every rank's expert blocks (weights and AdamW moments) are all-gathered over the
-ep group, the tp shards over the tp group, and rank 0 writes the one-process files, plus
-`expert_parallel` (and `tensor_parallel`) in metadata.json; a load slices this rank's
-blocks out of the global tensors, so ep2, tp2 x ep2 and one process resume each other's
-checkpoints.
+Checkpoints are written per rank (`_ckpt_moe.MoELayoutState`): each block once in the
+world, the tp shards at their tp offset and the expert blocks at their global expert
+offset, so they read back as the one-process tensors; a load reads only this rank's
+blocks, so ep2, tp2 x ep2 and one process resume each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ from collections.abc import Callable
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
-
-from mindloom_train import _checkpoint as ck
 
 
 def compiled_ep(dims) -> bool:
@@ -227,68 +223,46 @@ class CompiledEP(EPTraffic):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint_shards(self, model_arrays: dict, world: int) -> tuple[dict, dict] | None:
-        """Collective over the ep group: the expert blocks (weights, moments) gathered into
-        global tensors; rank 0 returns the one-process shard files."""
-        from mindloom_parallel import expert_metadata, gather_experts, gather_tp_shards
+    def checkpoint_metadata(self) -> dict:
+        """metadata.json's record of the split: `expert_parallel` (which ep rank held which
+        experts), and under tp `tensor_parallel`."""
+        from mindloom_parallel import expert_metadata
 
-        ts = self.train_step
-        if self.zero is not None:  # collective over dp (and edp): the owners' moments
-            opt = self.zero.full_moments()
-        else:
-            opt = {p.name: p.asnumpy() for p in (*ts.exp_avg, *ts.exp_avg_sq)}
-        local = {n: model_arrays[n] for n in self.expert_names}
-        local.update({f"{k}.{n}": opt[f"{k}.{n}"] for k in ("exp_avg", "exp_avg_sq")
-                      for n in self.expert_names})  # fmt: skip
-        full = gather_experts(local, self.ep)
-        full.update(gather_tp_shards({**model_arrays, **opt}, self.tp_axis, self.tp))
-        if self.groups.rank != 0:
-            return None
-        model = {n: full.get(n, a) for n, a in model_arrays.items()}
-        opt = {n: full.get(n, a) for n, a in opt.items()}
-        shards = {ck.shard_name("model", 0, 1): model, ck.shard_name("optim", 0, 1): opt}
-        meta = ck.default_metadata(shards, world)
-        meta["expert_parallel"] = expert_metadata(self.mcfg, self.pcfg)
+        meta = {"expert_parallel": expert_metadata(self.mcfg, self.pcfg)}
         if self.tp.size > 1:
             meta["tensor_parallel"] = {"tp": self.tp.size, "plan": "deepseek_tp_plan",
-                                       "tensors": "saved whole (gathered over tp)"}  # fmt: skip
-        return shards, meta
+                                       "tensors": "split ones as chunks at their tp offset"}  # fmt: skip
+        return meta
 
-    def local_arrays(self, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
-        """Global tensors (any layout's checkpoint) -> this rank's: expert tensors (and
-        their moments) cut to its block of experts, everything else as is."""
-        from mindloom_parallel import expert_block, is_expert_param, slice_tp_shards
+    def layout_state(self, buffers: list):
+        """This rank's tensors for the distributed checkpoint (`_ckpt_moe`): the weights
+        with their moments (the step's, or under ZeRO-1 the ones this rank owns), then the
+        routers' biases."""
+        from mindloom_parallel import expert_block, is_expert_param
 
-        e = self.mcfg.n_routed_experts
-        start, count = expert_block(e, self.pcfg.ep, self.ep.index)
-        try:  # this tp rank's block of each split tensor (and of its moments)
-            arrays = slice_tp_shards(arrays, self.tp_axis, self.tp.index, self.tp.size)
-        except ValueError as exc:
-            raise ck.CheckpointError(f"{where}: {exc}") from None
-        out = {}
-        for name, arr in arrays.items():
+        from mindloom_train._ckpt_moe import MoELayoutState, MoESplit
+
+        e, tp = self.mcfg.n_routed_experts, self.tp.size
+        if self.zero is None:
+            ts = self.train_step
+            moments = list(zip(ts.exp_avg, ts.exp_avg_sq))
+        else:
+            held = dict(zip(self.zero.owned, zip(self.zero.exp_avg, self.zero.exp_avg_sq)))
+            moments = [held.get(i) for i in range(len(self.params))]
+        tensors = [(n, p, m) for n, p, m in zip(self.names, self.params, moments)]
+        tensors += [(b.name, b, None) for b in buffers]
+        shapes = {}
+        for name, p, _ in tensors:
+            shape = list(p.shape)
             if is_expert_param(name):
-                if arr.shape[0] != e:
-                    raise ck.CheckpointError(
-                        f"{where}: tensor {name!r} has shape {list(arr.shape)}, the model "
-                        f"expects {e} experts on axis 0"
-                    )
-                arr = np.ascontiguousarray(arr[start : start + count])
-            out[name] = arr
-        return out
-
-    def load_moments(self, arrays: dict[str, np.ndarray], where: str) -> None:
-        """ZeRO-1: the moments this rank owns from this rank's tensors (`local_arrays`);
-        every local tensor's moments must be there (a checkpoint of any layout has them)."""
-        from mindloom_train._step_io import load_params
-
-        want = {f"{k}.{n}" for n in self.names for k in ("exp_avg", "exp_avg_sq")}
-        missing = sorted(want - set(arrays))
-        if missing:
-            raise ck.CheckpointError(f"{where}: checkpoint lacks optimizer tensor "
-                                     f"{missing[0]!r} ({len(missing)} missing)")  # fmt: skip
-        mine = [*self.zero.exp_avg, *self.zero.exp_avg_sq]
-        load_params(mine, {p.name: arrays[p.name] for p in mine}, where)
+                shape[0] = e
+            if name in self.tp_axis:
+                shape[self.tp_axis[name]] *= tp
+            shapes[name] = tuple(shape)
+        start, count = expert_block(e, self.pcfg.ep, self.ep.index)
+        split = MoESplit(self.tp_axis, self.tp.index, tp, start, count, self.pcfg.ep,
+                         self.edp.index == 0, zero=self.zero is not None)  # fmt: skip
+        return MoELayoutState(self.groups, tensors, shapes, set(self.names), split)
 
     # ------------------------------------------------------------------ metrics
 

@@ -15,11 +15,11 @@ MTP blocks) summed. What this module adds for the MoE:
 - the metrics: the MoE fields of `_moe.MoEWindow` over all routers (each stage's rows
   summed over the pipeline at a log step), the tokens each rank sends and receives, the
   exchange probe (`_ep_step.EPTraffic`);
-- checkpoints: every rank writes its own blocks (`MoEStageState`: a stage's dense tensors
-  by its first data-parallel replica, each expert block by the first rank of its
-  expert-data-parallel group, the global expert offset as the chunk's), so the files
-  hold the one-process tensors and any layout, one process included, resumes them; a
-  load reads only this rank's blocks.
+- checkpoints: every rank writes its own blocks (`_ckpt_moe.MoELayoutState`: a stage's
+  dense tensors by its first data-parallel replica, each expert block by the first rank
+  of its expert-data-parallel group, at its global expert offset), so the files hold the
+  one-process tensors and any layout, one process included, resumes them; a load reads
+  only this rank's blocks.
 
 Not here: tensor parallel inside a stage and ZeRO-1 (refused in `_modelcfg`).
 """
@@ -27,14 +27,13 @@ Not here: tensor parallel inside a stage and ZeRO-1 (refused in `_modelcfg`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from mindloom_train._engine_runner import EngineRunner
 from mindloom_train._parallel import EngineStep
 
-__all__ = ["MoEPPRunner", "MoEPPStep", "MoEStageState"]
+__all__ = ["MoEPPRunner", "MoEPPStep", "stage_state"]
 
 
 class MoEPPStep(EngineStep):
@@ -53,98 +52,21 @@ class MoEPPStep(EngineStep):
         return out
 
 
-@dataclass(frozen=True)
-class _Spec:
-    global_shape: tuple
+def stage_state(engine, opt, shapes: dict, trainable: set, groups):
+    """A pipeline stage's `MoELayoutState`: its weights with their AdamW moments, then its
+    routers' biases (no moments); the embedding's copy on the last stage is the first's."""
+    from mindloom_parallel import expert_block
 
+    from mindloom_train._ckpt_moe import MoELayoutState, MoESplit
 
-class MoEStageState:
-    """One rank's tensors of a DeepSeek-V3 pipeline stage (global names): what it writes
-    into a distributed checkpoint and the blocks it reads back (`_ckpt_dist`'s `own_shards`
-    / `load_plan` protocol, as `_ckpt_own.LayoutState` for Llama)."""
-
-    def __init__(self, engine, opt, shapes: dict[str, tuple], trainable: set[str], groups):
-        from mindloom_parallel import expert_block, is_expert_param
-
-        self.groups = groups
-        self.layout = {n: _Spec(tuple(s)) for n, s in shapes.items()}
-        self.trainable = trainable
-        mcfg = engine.cfg
-        self.start, self.count = expert_block(mcfg.n_routed_experts, engine.pcfg.ep,
-                                              engine.ep.index)  # fmt: skip
-        self.first_expert_replica = engine.edp.index == 0
-        self.is_expert = is_expert_param
-        # (name, parameter, (exp_avg, exp_avg_sq) or None): the stage's weights, then its
-        # routers' biases (not trained: no moments)
-        self.tensors = [(n, p, (opt.exp_avg[i], opt.exp_avg_sq[i]))
-                        for i, (n, p) in enumerate(zip(engine.param_names, engine.params))]  # fmt: skip
-        self.tensors += [(b.name, b, None) for b in engine.biases]
-        # the embedding's copy on the last stage (read by the MTP blocks) is the first's
-        self.skip = {"embed.weight"} if not groups.is_first_stage else set()
-        self.ep = engine.pcfg.ep
-
-    def _box(self, name: str) -> tuple[tuple, tuple]:
-        shape = self.layout[name].global_shape
-        if self.is_expert(name):
-            return (self.start,) + (0,) * (len(shape) - 1), (self.count,) + tuple(shape[1:])
-        return (0,) * len(shape), tuple(shape)
-
-    def own_shards(self):
-        from mindloom_train._ckpt_files import shard_name
-        from mindloom_train._ckpt_own import OwnShards
-
-        g = self.groups
-        out = OwnShards()
-        mfile = shard_name("model", g.rank, g.world_size)
-        ofile = shard_name("optim", g.rank, g.world_size)
-        for name, p, moments in self.tensors:
-            expert = self.is_expert(name)
-            writes = self.first_expert_replica if expert else g.dp_rank == 0
-            if name in self.skip or not writes:
-                continue
-            self._add(out, mfile, name, name, np.asarray(p.asnumpy(), np.float32), expert)
-            for prefix, m in zip(("exp_avg.", "exp_avg_sq."), moments or ()):
-                self._add(out, ofile, prefix + name, name, m.asnumpy(), expert)
-        return out
-
-    def _add(self, out, fname: str, key: str, name: str, arr: np.ndarray, expert: bool) -> None:
-        off, shape = self._box(name)
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"{key}: local shape {list(arr.shape)} != its block {list(shape)}")
-        out.files.setdefault(fname, {})[key] = arr
-        entry = out.tensors.setdefault(key, {
-            "file": fname, "dtype": str(arr.dtype),
-            "global_shape": list(self.layout[name].global_shape),
-            "split": {"ep_axis": 0, "ep": self.ep} if expert else None, "chunks": [],
-        })  # fmt: skip
-        entry["chunks"].append({"file": fname, "key": key, "offset": list(off),
-                                "shape": list(shape)})  # fmt: skip
-
-    def expected_names(self) -> set[str]:
-        """Every tensor a checkpoint of this model holds: weights, biases, moments."""
-        return set(self.layout) | {p + n for n in self.trainable
-                                   for p in ("exp_avg.", "exp_avg_sq.")}  # fmt: skip
-
-    def boxes(self, weights_only: bool = False) -> dict[str, tuple]:
-        out = {}
-        for name, _, moments in self.tensors:
-            out[name] = self._box(name)
-            if moments is not None and not weights_only:
-                out["exp_avg." + name] = out["exp_avg_sq." + name] = out[name]
-        return out
-
-    def held_bytes(self, weights_only: bool = False) -> int:
-        return sum(4 * int(np.prod(s)) for _, s in self.boxes(weights_only).values())
-
-    def load(self, arrays: dict[str, np.ndarray], weights_only: bool = False) -> None:
-        import mindspore as ms
-        from mindspore import ops
-
-        for name, p, moments in self.tensors:
-            ops.assign(p, ms.Tensor(arrays[name], p.dtype))
-            if moments is not None and not weights_only:
-                for prefix, m in zip(("exp_avg.", "exp_avg_sq."), moments):
-                    ops.assign(m, ms.Tensor(np.asarray(arrays[prefix + name], np.float32)))
+    ep = engine.pcfg.ep
+    start, count = expert_block(engine.cfg.n_routed_experts, ep, engine.ep.index)
+    tensors = [(n, p, (opt.exp_avg[i], opt.exp_avg_sq[i]))
+               for i, (n, p) in enumerate(zip(engine.param_names, engine.params))]  # fmt: skip
+    tensors += [(b.name, b, None) for b in engine.biases]
+    split = MoESplit({}, 0, 1, start, count, ep, engine.edp.index == 0)
+    skip = frozenset() if groups.is_first_stage else frozenset({"embed.weight"})
+    return MoELayoutState(groups, tensors, shapes, trainable, split, skip)
 
 
 class MoEPPRunner(EngineRunner):
@@ -167,7 +89,7 @@ class MoEPPRunner(EngineRunner):
         if pcfg.micro_batch_num != self.accum:
             raise ValueError(f"micro_batch_num {pcfg.micro_batch_num} != the trainer's "
                              f"{self.accum} micro-batches per step")  # fmt: skip
-        self.state = MoEStageState(eng, self.par.opt, shapes, trainable, g)
+        self.state = stage_state(eng, self.par.opt, shapes, trainable, g)
         cfgm = self.mcfg
         self.n_routers = sum(stage_routers(cfgm, pcfg.pp, s) for s in range(pcfg.pp))
         # this stage's rows in the model's router order (trunk MoE layers, then MTP)
@@ -180,8 +102,9 @@ class MoEPPRunner(EngineRunner):
                                  self.accum)  # fmt: skip
         log(f"parallel: pipeline stage {g.pp_rank} of {pcfg.pp}: layers "
             f"{list(eng.layer_ids)}, {len(eng.routers)} routers; expert parallel ep={pcfg.ep} "
-            f"(ep rank {eng.ep.index}, experts {self.state.start}-"
-            f"{self.state.start + self.state.count - 1}), expert-data-parallel "
+            f"(ep rank {eng.ep.index}, experts {self.state.split.expert_start}-"
+            f"{self.state.split.expert_start + self.state.split.expert_count - 1}), "
+            f"expert-data-parallel "
             f"{eng.edp.size}")  # fmt: skip
 
     def step(self, inp):
@@ -224,6 +147,11 @@ class MoEPPRunner(EngineRunner):
 
     def checkpoint_shards(self):  # pragma: no cover - the distributed path writes these
         raise NotImplementedError("DeepSeek-V3 pipeline checkpoints are written per rank")
+
+    def checkpoint_metadata(self) -> dict:
+        from mindloom_parallel import expert_metadata
+
+        return {"expert_parallel": expert_metadata(self.mcfg, self.rt.pcfg)}
 
     def own_shards(self):
         return self.state.own_shards()

@@ -269,8 +269,6 @@ class CompiledRunner(CompiledComm):
             return self.tp.checkpoint_shards(self.rt.world)
         if self.zero is not None:
             return self.zero.checkpoint_shards(self.mcfg, self.rt.world)
-        if self.ep is not None:  # collective: the expert blocks gathered (_ep_step)
-            return self.ep.checkpoint_shards(self._model_arrays(), self.rt.world)
         if self.rt.rank != 0:
             return None
         opt = {p.name: p.asnumpy() for p in (*self.train_step.exp_avg, *self.train_step.exp_avg_sq)}
@@ -280,10 +278,16 @@ class CompiledRunner(CompiledComm):
         }
         return shards, ck.default_metadata(shards, self.rt.world)
 
+    def checkpoint_metadata(self) -> dict:
+        """What metadata.json records of the layout beyond the tensors' chunks."""
+        return self.ep.checkpoint_metadata() if self.ep is not None else {}
+
     def own_shards(self):
         """Tensor parallel and ZeRO-1: the files this rank writes itself (a distributed
         checkpoint). Plain data parallel keeps `checkpoint_shards`: rank 0, the first
         replica, holds and writes everything, with nothing gathered."""
+        if self.ep is not None:  # DeepSeek-V3 under ep / tp (_ckpt_moe)
+            return self.ep.layout_state(self.buffers).own_shards()
         if self.zero is not None:
             return self.zero.layout_state(self.mcfg).own_shards(zero=True)
         return self.tp.layout_state(self.train_step).own_shards(zero=False) if self.tp else None
@@ -291,6 +295,8 @@ class CompiledRunner(CompiledComm):
     def load_plan(self):
         """Tensor parallel and ZeRO-1: the blocks this rank reads at resume (balanced
         loading: ZeRO-1 reads the weights and only the moments it owns)."""
+        if self.ep is not None:
+            return self.ep.layout_state(self.buffers)
         if self.zero is not None:
             return self.zero.layout_state(self.mcfg)
         return self.tp.layout_state(self.train_step) if self.tp is not None else None
@@ -298,23 +304,17 @@ class CompiledRunner(CompiledComm):
     def load(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load(arrays, where)
-        if self.ep is not None:  # global tensors -> this rank's block of experts
-            arrays = self.ep.local_arrays(arrays, where)
         opt_names = ("exp_avg.", "exp_avg_sq.")
         weights = {k: v for k, v in arrays.items() if not k.startswith(opt_names)}
         load_params(self.params + self.buffers, weights, where)
         if self.zero is not None:
             return self.zero.load_moments(arrays, self.mcfg)
-        if self.ep is not None and self.ep.zero is not None:
-            return self.ep.load_moments(arrays, where)
         opt_params = [*self.train_step.exp_avg, *self.train_step.exp_avg_sq]
         load_params(opt_params, {k: v for k, v in arrays.items() if k.startswith(opt_names)}, where)
 
     def load_weights(self, arrays: dict[str, np.ndarray], where: str) -> None:
         if self.tp is not None:
             return self.tp.load_weights(arrays, where)
-        if self.ep is not None:
-            arrays = self.ep.local_arrays(arrays, where)
         load_params(self.params, arrays, where)
 
     def extra_fields(self) -> dict[str, Any]:
