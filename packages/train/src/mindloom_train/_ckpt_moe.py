@@ -116,16 +116,8 @@ class MoELayoutState:
 
     def _add(self, out, fname: str, key: str, name: str, arr: np.ndarray) -> None:
         off, shape = self._box(name)
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"{key}: local shape {list(arr.shape)} != its block {list(shape)}")
-        out.files.setdefault(fname, {})[key] = arr
-        entry = out.tensors.setdefault(key, {
-            "file": fname, "dtype": str(arr.dtype),
-            "global_shape": list(self.layout[name].global_shape),
-            "split": self._split_entry(name), "chunks": [],
-        })  # fmt: skip
-        entry["chunks"].append({"file": fname, "key": key, "offset": list(off),
-                                "shape": list(shape)})  # fmt: skip
+        out.add_block(fname, key, arr, self.layout[name].global_shape, off, shape,
+                      self._split_entry(name))  # fmt: skip
 
     def expected_names(self) -> set[str]:
         """Every tensor a checkpoint of this model holds: weights, buffers, moments."""

@@ -35,18 +35,25 @@ class OwnShards:
 
     def add(self, fname: str, key: str, spec, tp_rank: int, tp: int, arr: np.ndarray) -> None:
         local = list(spec.local_shape(tp))
-        if list(arr.shape) != local:
-            raise ValueError(f"{key}: local shape {list(arr.shape)} != layout's {local}")
         off = [0] * len(local)
         if spec.tp_axis is not None:
             off[spec.tp_axis] = tp_rank * local[spec.tp_axis]
+        split = {"tp_axis": spec.tp_axis, "tp": tp, "pp_stages": list(spec.pp_stages)}
+        self.add_block(fname, key, arr, spec.global_shape, off, local, split)
+
+    def add_block(self, fname: str, key: str, arr: np.ndarray, global_shape, offset, shape,
+                  split) -> None:  # fmt: skip
+        """`arr` as the block of `key` at `offset` (its expected `shape`) of a tensor of
+        `global_shape`; `split` is metadata.json's description, the same on every rank."""
+        if list(arr.shape) != list(shape):
+            raise ValueError(f"{key}: local shape {list(arr.shape)} != layout's {list(shape)}")
         self.files.setdefault(fname, {})[key] = arr
         entry = self.tensors.setdefault(key, {
-            "file": fname, "dtype": str(arr.dtype), "global_shape": list(spec.global_shape),
-            "split": {"tp_axis": spec.tp_axis, "tp": tp, "pp_stages": list(spec.pp_stages)},
-            "chunks": [],
+            "file": fname, "dtype": str(arr.dtype), "global_shape": list(global_shape),
+            "split": split, "chunks": [],
         })  # fmt: skip
-        entry["chunks"].append({"file": fname, "key": key, "offset": off, "shape": local})
+        entry["chunks"].append({"file": fname, "key": key, "offset": list(offset),
+                                "shape": list(shape)})  # fmt: skip
 
 
 def _local_box(spec, tp_rank: int, tp: int):

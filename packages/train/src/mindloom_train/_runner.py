@@ -283,8 +283,8 @@ class CompiledRunner(CompiledComm):
         return self.ep.checkpoint_metadata() if self.ep is not None else {}
 
     def own_shards(self):
-        """Tensor parallel and ZeRO-1: the files this rank writes itself (a distributed
-        checkpoint). Plain data parallel keeps `checkpoint_shards`: rank 0, the first
+        """Tensor parallel, ZeRO-1 and DeepSeek-V3's ep / tp: the files this rank writes
+        itself (a distributed checkpoint). Plain data parallel keeps `checkpoint_shards`: rank 0, the first
         replica, holds and writes everything, with nothing gathered."""
         if self.ep is not None:  # DeepSeek-V3 under ep / tp (_ckpt_moe)
             return self.ep.layout_state(self.buffers).own_shards()
