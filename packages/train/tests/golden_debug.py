@@ -21,6 +21,10 @@ OVERRIDES = {
     "monitor.log_interval": 1,
     "checkpoint.save_interval": 10,
     "training.eval_interval": 10,
+    # recorded on MindSpore's own ops, before `kernels: auto` became the default: the
+    # redesign's golden run compares the trainer, not the fused kernels (which agree with
+    # the portable path to ~1e-6, test_model_kernels.py)
+    "model.kernels": "portable",
 }
 
 

@@ -72,6 +72,8 @@ CPU_COMM_TIMEOUT_ENV = "MS_CPU_COMM_OP_TIMEOUT"
 # alternated pairs, load ~5); several nodes keep MindSpore's default.
 RETRY_INTERVAL_ENVS = ("MS_RETRY_INTERVAL_LOWER", "MS_RETRY_INTERVAL_UPPER")
 COLLECTIVE_TIMEOUT_S = 1800
+# the fused CPU kernels' thread count (read by mindloom_model's kernel library)
+KERNEL_THREADS_ENV = "MINDLOOM_KERNEL_THREADS"
 
 
 def free_port() -> int:
@@ -144,7 +146,7 @@ def launch(
     ended = log_dir / "ended"
     shutil.rmtree(ended, ignore_errors=True)  # a previous job's marks
     ended.mkdir()
-    run_env = _msrun_env(env, stop_grace_s, lock, collective_timeout_s, nnodes)
+    run_env = _msrun_env(env, stop_grace_s, lock, collective_timeout_s, nnodes, nproc)
     run_env[RUN_ENDED_ENV] = str(ended)
     rc, stop = _run_msrun(cmd, run_env, log_dir, timeout_s, stop_grace_s)
     if rc != 0 and not stop.killed and _ended_cleanly(ended, nproc):
@@ -244,8 +246,13 @@ def _msrun_command(args: list[str], world: int, nproc: int, node_rank: int, mast
 
 
 def _msrun_env(env: dict | None, stop_grace_s: float, lock: RunLock | None,
-               collective_timeout_s: int, nnodes: int = 1) -> dict:  # fmt: skip
+               collective_timeout_s: int, nnodes: int = 1, nproc: int = 1) -> dict:  # fmt: skip
     run_env = dict(os.environ if env is None else env)
+    # the fused CPU kernels' thread pool (mindloom_model's kernels: auto) sizes itself to
+    # every CPU the process may use; nproc workers on one node would each start that many
+    # threads, which then wait on each other for cores at every kernel call
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    run_env.setdefault(KERNEL_THREADS_ENV, str(max(1, (cpus or 1) // max(1, nproc))))
     run_env.setdefault(CPU_COMM_TIMEOUT_ENV, str(int(collective_timeout_s)))
     if nnodes == 1:
         for name in RETRY_INTERVAL_ENVS:

@@ -97,35 +97,26 @@ def train_tokenizer(
     coverage = _check_arguments(model_type, vocab_size, input_sentence_size,
                                 max_sentence_length, num_threads, character_coverage)  # fmt: skip
     specials = _checked_specials(
-        model_type,
-        {unk_piece: unk_id, bos_piece: bos_id, eos_piece: eos_id, pad_piece: pad_id},
+        model_type, {unk_piece: unk_id, bos_piece: bos_id, eos_piece: eos_id, pad_piece: pad_id},
         {"unk_id": unk_id, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id},
-        control_symbols,
-        user_defined_symbols,
-    )
+        control_symbols, user_defined_symbols,
+    )  # fmt: skip
     stats = ReadStats()
     files, out_dir = _inputs_and_output(inputs, out_dir, stats)
 
-    t0 = time.monotonic()
-    say(f"reading {len(files)} file(s)")
-    corpus, sample_stats = _read_corpus(files, model_type, text_key, stats, input_sentence_size,
-                                        max_sentence_length, seed, say)  # fmt: skip
-    read_s = time.monotonic() - t0
-    _report_read(stats, sample_stats, model_type, read_s, input_sentence_size,
-                 max_sentence_length, seed, say)  # fmt: skip
+    corpus, sample_stats, read_s = _read_corpus(files, model_type, text_key, stats,
+                                                input_sentence_size, max_sentence_length, seed,
+                                                say)  # fmt: skip
 
-    options: dict = {
-        "character_coverage": coverage,
-        "byte_fallback": byte_fallback,
-        "split_digits": split_digits,
-        "normalization_rule_name": normalization_rule_name,
-        "add_dummy_prefix": add_dummy_prefix,
-        "remove_extra_whitespaces": remove_extra_whitespaces,
-        "input_sentence_size": input_sentence_size,
-        "max_sentence_length": max_sentence_length,
-        "max_sentencepiece_length": max_sentencepiece_length,
-        "num_threads": num_threads,
-    }
+    # SentencePiece's own option names, recorded in tokenizer.json as given
+    options = dict(character_coverage=coverage, byte_fallback=byte_fallback,
+                   split_digits=split_digits, normalization_rule_name=normalization_rule_name,
+                   add_dummy_prefix=add_dummy_prefix,
+                   remove_extra_whitespaces=remove_extra_whitespaces,
+                   input_sentence_size=input_sentence_size,
+                   max_sentence_length=max_sentence_length,
+                   max_sentencepiece_length=max_sentencepiece_length,
+                   num_threads=num_threads)  # fmt: skip
     t1 = time.monotonic()
     payload, backend, options = _build_vocabulary(
         corpus, model_type, vocab_size, seed, specials, control_symbols, user_defined_symbols,
@@ -140,10 +131,8 @@ def train_tokenizer(
                      {"read": stats.to_dict(), **sample_stats}, digest)  # fmt: skip
     write_json_atomic(os.path.join(out_dir, META_FILE), meta)
     tok = Tokenizer.load(out_dir)
-    say(
-        f"wrote {out_dir}: {model_type}, vocab_size={tok.vocab_size:,} "
-        f"(read {read_s:.1f}s, train {train_s:.1f}s)"
-    )
+    say(f"wrote {out_dir}: {model_type}, vocab_size={tok.vocab_size:,} "
+        f"(read {read_s:.1f}s, train {train_s:.1f}s)")  # fmt: skip
     return tok
 
 
@@ -227,25 +216,30 @@ def _check_arguments(model_type, vocab_size, input_sentence_size, max_sentence_l
 
 def _read_corpus(files, model_type, text_key, stats, input_sentence_size, max_sentence_length,
                  seed, say):  # fmt: skip
-    """-> (character counts of a `char` model or the sampled sentences, the sample's stats);
-    TokenizerError when nothing usable was read."""
+    """-> (character counts of a `char` model or the sampled sentences, the sample's stats,
+    seconds spent), reported through `say`; TokenizerError when nothing usable was read."""
+    t0 = time.monotonic()
+    say(f"reading {len(files)} file(s)")
     if model_type == "char":
-        char_counts, n_chars = count_chars(files, text_key, stats, say)
-        sample_stats = {"characters": n_chars, "distinct_characters": len(char_counts)}
-        if not char_counts:
+        corpus, n_chars = count_chars(files, text_key, stats, say)
+        sample_stats = {"characters": n_chars, "distinct_characters": len(corpus)}
+        if not corpus:
             raise TokenizerError(empty_message(files, stats))
-        return char_counts, sample_stats
-    sentences, sample_stats = sample_sentences(
-        files, text_key, stats, input_sentence_size, max_sentence_length, seed, say
-    )
-    if not sentences:
-        if sample_stats["skipped_too_long"]:
+    else:
+        corpus, sample_stats = sample_sentences(
+            files, text_key, stats, input_sentence_size, max_sentence_length, seed, say
+        )
+        if not corpus and sample_stats["skipped_too_long"]:
             raise TokenizerError(
                 f"every sentence is longer than max_sentence_length={max_sentence_length} "
                 f"bytes (skipped {sample_stats['skipped_too_long']} too long sentences)"
             )
-        raise TokenizerError(empty_message(files, stats))
-    return sentences, sample_stats
+        if not corpus:
+            raise TokenizerError(empty_message(files, stats))
+    read_s = time.monotonic() - t0
+    _report_read(stats, sample_stats, model_type, read_s, input_sentence_size,
+                 max_sentence_length, seed, say)  # fmt: skip
+    return corpus, sample_stats, read_s
 
 
 def _report_read(stats, sample_stats, model_type, read_s, input_sentence_size,
