@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a karpathy/nanoGPT checkout: also run its own train.py in this run",
     )  # fmt: skip
     parser.add_argument(
-        "--kernels", choices=("auto", "portable"), default="portable",
-        help="mindloom's model.kernels (auto: the fused CPU kernels)",
+        "--kernels", choices=("auto", "portable"), default="auto",
+        help="mindloom's model.kernels (auto, the default: the fused CPU kernels)",
     )  # fmt: skip
     parser.add_argument(
         "--no-roofline", action="store_true", help="skip timing the step's matrix products alone"

@@ -54,12 +54,20 @@ class GradReducer(nn.Cell):
             return grads
         # tuples and static indices only: list item assignment is not reliable in graphs
         pieces = ()
+        reduced = None
         for b in range(len(self.buckets)):
             bucket = self.buckets[b]
             flat = ()
             for i in bucket:
                 flat = flat + (grads[i].reshape(-1),)
-            reduced = self.allreduce(ops.concat(flat))
+            flat = ops.concat(flat)
+            if reduced is not None:
+                # the buckets' all-reduces in one order on every rank: nothing else orders
+                # them, and ranks whose graphs differ (ZeRO-1 updates other tensors) were
+                # scheduled in different orders (a 2-rank all-reduce then paired two
+                # buckets of different sizes)
+                flat = ops.depend(flat, reduced)
+            reduced = self.allreduce(flat)
             if self.scale != 1.0:
                 reduced = reduced * self.scale
             pieces = pieces + ops.split(reduced, self.bucket_sizes[b])

@@ -138,11 +138,15 @@ class EPGradReducer(nn.Cell):
         if self.dp_reducer is not None:
             dense = self.dp_reducer(dense)
         out = ()
+        prev = dense
         for i in range(self.n):
             if self.expert[i]:
                 g = grads[i] * self.scale
                 if self.edp is not None:
-                    g = self.edp(g)
+                    # after the dense buckets and the previous expert tensor: one order of
+                    # collectives on ranks whose graphs differ (ZeRO-1)
+                    g = self.edp(ops.depend(g, prev))
+                    prev = g
             else:
                 g = dense[self.dense_pos[i]]
             out = out + (g,)

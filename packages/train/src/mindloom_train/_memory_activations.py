@@ -125,6 +125,25 @@ def deepseek_blocks(mcfg, c: int) -> tuple[list[TensorSaved], list[TensorSaved]]
     return dense, moe
 
 
+def cpu_kernel_graph_intermediates(mcfg, b: int, s: int) -> tuple[float, float]:
+    """(bytes per layer, bytes of the head and loss) of the same compiled CPU step with the
+    fused kernels (model.kernels: auto): the forward's op outputs, of width hidden (two
+    norms, q/k/v, the attention output, wo, two residual sums) and ffn (w1, w3, SwiGLU),
+    live until the backward, whose gradients the runtime then reuses; attention and the
+    loss hold no [S, S] or softmax tensor, so the head is the logits and their gradient.
+    With the compiler term (COMPILE_CPU_KERNELS_*) fit on the 17m width with 2 and 12
+    layers at 8 x 256 tokens (peaks 953 and 1903 MiB); the 6-layer preset then estimates
+    1334 MiB against 1332 measured, and 2815 against 2603 at 32 x 256. Full recompute
+    measured 5-6% less (not modelled: the estimate stays above)."""
+    h, f = mcfg.hidden_size, mcfg.ffn_hidden_size
+    g = mcfg.num_kv_heads / mcfg.num_heads
+    n = b * s
+    layer = 4 * n * ((8 + 2 * g) * h + 3 * f)
+    if mcfg.dropout > 0:  # attention keeps the portable path (no dropout in the kernel)
+        layer += 4 * b * mcfg.num_heads * s * s * 6
+    return layer, 4 * n * 2 * mcfg.vocab_size
+
+
 def cpu_graph_intermediates(mcfg, b: int, s: int, recomputed: bool) -> tuple[float, float]:
     """(bytes per layer, bytes of the head and loss) of MindSpore's CPU backend in graph
     mode, fp32. Measured there: the compiled step keeps essentially every intermediate of

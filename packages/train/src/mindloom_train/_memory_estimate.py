@@ -11,6 +11,7 @@ from typing import Any
 
 from mindloom_train._memory_activations import (
     cpu_graph_intermediates,
+    cpu_kernel_graph_intermediates,
     deepseek_blocks,
     layer_activation_bytes,
     llama_block,
@@ -19,6 +20,8 @@ from mindloom_train._memory_advice import _suggestions
 from mindloom_train._memory_devices import (
     _BYTES,
     COMPILE_CPU_FIXED,
+    COMPILE_CPU_KERNELS_FIXED,
+    COMPILE_CPU_KERNELS_PER_LAYER,
     COMPILE_CPU_PER_LAYER,
     FRAGMENTATION_SHARE,
     RUNTIME_CPU_BYTES,
@@ -184,6 +187,7 @@ class _Activations:
     inv_moe: list
     recomputed: frozenset
     cpu_graph: bool  # MindSpore's CPU backend, compiled step (one process or plain dp)
+    kernels: bool = False  # with the fused CPU kernels (model.kernels: auto, fp32)
 
     def stage(self, st: int) -> tuple[float, int]:
         """(activation bytes, micro-batches in flight) of pipeline stage `st`."""
@@ -224,7 +228,10 @@ class _Activations:
         # backward transient: the gradient of a layer's largest saved tensor, twice
         largest = max(x.bytes(b, s, lay.tp, lay.sp) for x in self.inv_dense + self.inv_moe)
         act += 2 * largest
-        if self.cpu_graph and mcfg.family == "llama":
+        if self.cpu_graph and mcfg.family == "llama" and self.kernels:
+            layer, head = cpu_kernel_graph_intermediates(mcfg, b, s)
+            act = layer * len(layers) + head
+        elif self.cpu_graph and mcfg.family == "llama":
             act = mask
             for i in layers:
                 act += cpu_graph_intermediates(mcfg, b, s, i in self.recomputed)[0]
@@ -290,11 +297,14 @@ def _default_runtime_bytes(is_cpu: bool, world: int) -> int:
 
 
 def _add_fixed(comps: dict, runtime_bytes: int, n_layers: int, cpu_graph: bool,
-               pp_graphs: bool) -> None:  # fmt: skip
+               pp_graphs: bool, kernels: bool = False) -> None:  # fmt: skip
     """A stage's fragmentation reserve, runtime and (CPU) graph compiler bytes."""
     comps["fragmentation reserve"] = FRAGMENTATION_SHARE * sum(comps.values())
     comps["runtime"] = runtime_bytes
-    if cpu_graph:
+    if cpu_graph and kernels:
+        comps["graph compiler"] = (COMPILE_CPU_KERNELS_FIXED
+                                   + COMPILE_CPU_KERNELS_PER_LAYER * n_layers)  # fmt: skip
+    elif cpu_graph:
         comps["graph compiler"] = COMPILE_CPU_FIXED + COMPILE_CPU_PER_LAYER * n_layers
     elif pp_graphs:
         comps["graph compiler"] = 2 * COMPILE_CPU_PER_LAYER * n_layers
@@ -334,7 +344,12 @@ def estimate(
     # (with its recomputed forward); each holds the stage's layers in the graph compiler
     # (pp2 debug: peaks 577 and 593 MiB against 569 estimated, 469 without this term)
     pp_graphs = is_cpu and lay.engine and lay.pp > 1 and cfg.context.mode == "graph"
-    acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph)
+    # the fused CPU kernels (mindloom_model's use_cpu_kernels: auto, fp32 compute and
+    # parameters; the estimate assumes their build succeeds), measured for Llama only
+    kernels = (cpu_graph and mcfg.family == "llama" and mcfg.kernels == "auto"
+               and cdt == "float32" and mcfg.param_dtype == "float32")  # fmt: skip
+    acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph,
+                        kernels)  # fmt: skip
     stage_act, stage_tot, comps_by_stage = [], [], []
     for st in range(lay.pp):
         act, in_flight = acts.stage(st)
@@ -350,13 +365,15 @@ def estimate(
         runtime_bytes = _default_runtime_bytes(is_cpu, lay.world)
     for st, comps in enumerate(comps_by_stage):
         n_layers = len(stage_layers(mcfg.num_layers, lay.pp, st))
-        _add_fixed(comps, runtime_bytes, n_layers, cpu_graph, pp_graphs)
+        _add_fixed(comps, runtime_bytes, n_layers, cpu_graph, pp_graphs, kernels)
         stage_tot.append(int(sum(comps.values())))
     worst = max(range(lay.pp), key=lambda i: stage_tot[i])
     components = {k: int(v) for k, v in comps_by_stage[worst].items()}
     if is_cpu and cdt != mcfg.compute_dtype:
         notes.append(f"CPU: compute in float32 (no {mcfg.compute_dtype} MatMul)")
     per_layer = layer_activation_bytes(inv_moe if n_moe else inv_dense, b, s, lay.tp, lay.sp)
+    if kernels:
+        per_layer = cpu_kernel_graph_intermediates(mcfg, b, s)[0]
     est = Estimate(
         components=components,
         total=int(sum(components.values())),
