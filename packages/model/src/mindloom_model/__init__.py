@@ -7,6 +7,7 @@ use, through the module `__getattr__` below.
 
 from mindloom_model.__about__ import __version__
 from mindloom_model._config import ModelConfig, get_preset, preset_names
+from mindloom_model._kernel_build import buildable as cpu_kernels_buildable
 from mindloom_model._safetensors import (
     SafetensorsError,
     encode_safetensors,
@@ -33,6 +34,7 @@ __all__ = [
     "causal_lm_loss",
     "llama_loss",
     "compile_cache_dir",
+    "cpu_kernels_buildable",
     "dropout_key",
     "dropout_site",
     "encode_safetensors",

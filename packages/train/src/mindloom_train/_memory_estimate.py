@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from mindloom_model import cpu_kernels_buildable
+
 from mindloom_train._memory_activations import (
     cpu_graph_intermediates,
     cpu_kernel_graph_intermediates,
@@ -345,9 +347,10 @@ def estimate(
     # (pp2 debug: peaks 577 and 593 MiB against 569 estimated, 469 without this term)
     pp_graphs = is_cpu and lay.engine and lay.pp > 1 and cfg.context.mode == "graph"
     # the fused CPU kernels (mindloom_model's use_cpu_kernels: auto, fp32 compute and
-    # parameters; the estimate assumes their build succeeds), measured for Llama only
+    # parameters, the library built or a compiler to build it), measured for Llama only
     kernels = (cpu_graph and mcfg.family == "llama" and mcfg.kernels == "auto"
-               and cdt == "float32" and mcfg.param_dtype == "float32")  # fmt: skip
+               and cdt == "float32" and mcfg.param_dtype == "float32"
+               and cpu_kernels_buildable())  # fmt: skip
     acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph,
                         kernels)  # fmt: skip
     stage_act, stage_tot, comps_by_stage = [], [], []

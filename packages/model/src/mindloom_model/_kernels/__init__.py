@@ -11,18 +11,15 @@ is False, the model keeps its portable ops, and the reason is logged once.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
+
+from mindloom_model._kernel_build import build_library
 
 log = logging.getLogger("mindloom_model")
 
@@ -36,73 +33,7 @@ __all__ = [
     "KernelRopeAttention",
 ]
 
-_HERE = Path(__file__).parent
-_SOURCES = [_HERE / "kernels.cpp", _HERE / "attention.cpp"]  # compiled into one library
-_HEADERS = [_HERE / "kernels.h"]
-_FLAGS = [
-    "-O3",
-    "-std=c++17",
-    "-fPIC",
-    "-shared",
-    "-fopenmp-simd",
-    "-pthread",
-    "-fno-math-errno",
-    "-ffp-contract=fast",  # FMA in the AVX2 and AVX-512 builds (ISO C++ mode turns it off)
-]
 _state: dict = {}
-
-
-def _cache_root() -> Path:
-    if os.environ.get("MINDLOOM_CACHE_DIR"):
-        return Path(os.environ["MINDLOOM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mindloom"
-
-
-def _build() -> Path:
-    """The compiled library's path, building it if needed; raises RuntimeError on failure."""
-    cxx = os.environ.get("CXX", "g++")
-    exe = shutil.which(cxx.split()[0]) if cxx.strip() else None
-    if exe is None:
-        raise RuntimeError(f"no C++ compiler (CXX={cxx!r} not found)")
-    src = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(src + "\0".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
-    out_dir = _cache_root() / "kernels" / key
-    lib = out_dir / "libmindloom_kernels.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building it right now
-        if lib.exists():
-            return lib
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        objs = [f"{tmp}.{i}.o" for i in range(len(_SOURCES))]
-        try:
-            # the sources compile side by side (attention.cpp takes ~2/3 of the time), then link
-            steps = [
-                [[*cxx.split(), *_FLAGS, "-c", "-o", o, str(s)] for o, s in zip(objs, _SOURCES)]
-            ]
-            steps.append([[*cxx.split(), *_FLAGS, "-o", tmp, *objs]])
-            for step in steps:
-                procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True) for c in step]  # fmt: skip
-                for proc in procs:
-                    out = proc.communicate(timeout=300)[0]
-                    if proc.returncode != 0:
-                        msg = out.strip().splitlines()
-                        raise RuntimeError(
-                            f"{cxx} failed (exit {proc.returncode}): {msg[0] if msg else 'no output'}"
-                        )
-            if os.path.getsize(tmp) == 0:
-                raise RuntimeError(f"{cxx} wrote an empty library")
-            os.replace(tmp, lib)  # atomic: a reader never sees half a library
-        finally:
-            for path in (tmp, *objs):
-                if os.path.exists(path):
-                    os.unlink(path)
-    return lib
 
 
 def library_path() -> Path | None:
@@ -111,7 +42,7 @@ def library_path() -> Path | None:
         try:
             if ms.get_context("device_target") != "CPU":
                 raise RuntimeError("not the CPU backend")
-            _state["lib"] = _build()
+            _state["lib"] = build_library()
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             _state["lib"] = None
             log.warning("mindloom CPU kernels unavailable (%s); using the portable ops", exc)
