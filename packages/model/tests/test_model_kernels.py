@@ -92,6 +92,31 @@ def test_swiglu_forward_and_gradients(shape):
 # ----------------------------------------------------------------------------- cross-entropy
 
 
+def test_square_sums_of_many_tensors_against_numpy():
+    """KernelSquareSums (the train step's global gradient norm in one call): each tensor's
+    sum of squares and their total against float64 NumPy, for shapes that leave partial
+    8-lane runs, 256-value runs and 32768-value blocks (70001, 65536 + 3), a one-value
+    tensor and a zero one, in a compiled graph as TrainStep calls it."""
+    rng = np.random.default_rng(3)
+    shapes = [(5,), (37, 13), (70001,), (3, 4, 5), (1,), (128, 300), (65539,), (8, 8)]
+    xs = [rng.standard_normal(s).astype(np.float32) * (i + 1) for i, s in enumerate(shapes)]
+    xs[4][:] = 0.0  # a zero tensor inside the list, the last one not zero
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.k = K.KernelSquareSums(len(xs))
+
+        def construct(self, *ts):
+            return self.k(*ts) * 1.0
+
+    out = ms.jit(Net())(*[Tensor(x) for x in xs]).asnumpy()
+    want = np.array([(x.astype(np.float64) ** 2).sum() for x in xs])
+    assert out.shape == (len(xs) + 1,)
+    np.testing.assert_allclose(out[:-1], want, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(out[-1], want.sum(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("n,v", [(37, 65), (8, 8000), (5, 3)])
 def test_cross_entropy_forward_and_gradients(n, v):
     logits = (rng.standard_normal((n, v)) * 5).astype(np.float32)

@@ -66,8 +66,12 @@ def _assert_same(names, ms_w, ms_m, ms_v, tp, opt, step):
                                    err_msg=f"step {step} exp_avg_sq {n}")  # fmt: skip
 
 
-def test_compiled_step_matches_torch_adamw(tmp_path):
+@pytest.mark.parametrize("norm", ["fused kernel", "matmuls"])
+def test_compiled_step_matches_torch_adamw(tmp_path, norm):
+    """`norm`: the global gradient norm by the fused CPU kernel (KernelSquareSums, what a
+    model with `kernels: auto` gets) or by one matmul per tensor (the portable path)."""
     import mindspore as ms
+    from mindloom_model import get_preset, square_sums_kernel
     from mindloom_train import _step as S
     from mindspore import Tensor
     from train_testutil import linear_loss_setup
@@ -83,6 +87,12 @@ def test_compiled_step_matches_torch_adamw(tmp_path):
     weights = ms.ParameterTuple(params)
     flags = S.decay_flags(params, decay_embeddings=False)
     train = S.TrainStep(loss_net, weights, flags, accum_steps=2)
+    # the linear loss net has no model config: the kernel is set by hand (before the
+    # UpdateStep sibling, which shares it)
+    train.square_sums = (square_sums_kernel(get_preset("debug"), len(params))
+                         if norm == "fused kernel" else None)  # fmt: skip
+    if norm == "fused kernel":
+        assert train.square_sums is not None, "the fused kernels did not build"
     accum = S.AccumStep(loss_net, weights, train.acc)
     update = S.UpdateStep(loss_net, weights, flags, accum_steps=2, share=train)
     tp, opt = _torch_adamw(params, names, decayed)

@@ -144,6 +144,18 @@ class TrainStep(_Base):
         # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
         # the expert biases after an applied update
         self.moe = moe
+        # the fused CPU kernel for every tensor's squared norm in one call (model.kernels:
+        # auto), else one [1, n] x [n, 1] matmul per tensor; not under tp, whose reducer
+        # weighs the per-tensor values
+        self.square_sums = None
+        if share is not None:
+            self.square_sums = share.square_sums
+        elif norm_reducer is None:
+            cfg = getattr(getattr(loss_net, "model", None), "config", None)
+            if cfg is not None:
+                from mindloom_model import square_sums_kernel
+
+                self.square_sums = square_sums_kernel(cfg, len(weights))
 
     def sibling(self, cls=None, loss_net=None, numerics: bool = False) -> TrainStep:
         """Another graph of this step over the same state (moments, buffers) and the same
@@ -225,8 +237,13 @@ class TrainStep(_Base):
             grads = (grads[0] + hyper[H_GPOISON],) + grads[1:]
         if self.zero is not None and self.norm_reducer is not None:
             grads = _map(ops.partial(_after, loss), grads)  # the norm's all-reduce after the loss's
-        sq = _map(_square_sum, grads)
-        total = ops.addn(sq) if self.norm_reducer is None else self.norm_reducer(sq)
+        if self.square_sums is not None:
+            sums = self.square_sums(*grads)  # [n + 1]: each tensor's, then the total
+            total = sums[len(grads)]
+            sq = tuple(sums[i] for i in range(len(grads))) if self.numerics else ()
+        else:
+            sq = _map(_square_sum, grads)
+            total = ops.addn(sq) if self.norm_reducer is None else self.norm_reducer(sq)
         gnorm = ops.sqrt(total) * ops.abs(inv)
         ok = ops.logical_and(ops.isfinite(loss), ops.isfinite(gnorm))
         ok = ops.logical_and(ok, gnorm <= hyper[H_SPIKE])

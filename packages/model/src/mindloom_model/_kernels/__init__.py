@@ -31,6 +31,7 @@ __all__ = [
     "KernelCrossEntropy",
     "KernelAttention",
     "KernelRopeAttention",
+    "KernelSquareSums",
 ]
 
 _state: dict = {}
@@ -95,6 +96,19 @@ class KernelSwiGLU(nn.Cell):
 
     def bprop(self, a, b, out, dout):
         return self.bwd(a, b, dout)
+
+
+class KernelSquareSums(nn.Cell):
+    """(t_0, ..., t_{n-1}) fp32 tensors of any shapes -> [n + 1] fp32: each tensor's sum of
+    squares, then their total, in one call (float64 accumulation over fixed blocks of
+    values, so the result does not depend on the thread count). No gradient."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.op = _op("sumsq_many", lambda *shapes: (n + 1,), lambda *dtypes: _f32)
+
+    def construct(self, *tensors):
+        return self.op(*tensors)
 
 
 class KernelCrossEntropy(nn.Cell):

@@ -115,6 +115,26 @@ MINDLOOM_SIMD void ce_bwd_rows(const float *x, const int32_t *labels, const floa
   }
 }
 
+// sum of x[i]^2 over n values: 8 float lanes over runs of 256 values (32 additions per
+// lane), each run's sum added in double, so the rounding stays near fp32's unit
+MINDLOOM_SIMD double sumsq_flat(const float *x, int64_t n) {
+  double s = 0.0;
+  int64_t i = 0;
+  while (i + 8 <= n) {
+    v8 acc{};
+    const int64_t end = std::min(n, i + 256);
+    for (; i + 8 <= end; i += 8) {
+      const v8 a = load8(x + i);
+      acc += a * a;
+    }
+    s += hsum8(acc);
+  }
+  for (; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+
+constexpr int64_t kSumsqBlock = 1 << 15;
+
 }  // namespace
 
 using namespace mindloom_kernels;
@@ -213,3 +233,39 @@ EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shap
 }
 
 // q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
+
+// t_0 .. t_{n-1} (fp32, any shapes) -> out [n + 1]: each tensor's sum of squares, then their
+// total. One call for the global gradient norm instead of one reduction per tensor; the
+// values are cut into blocks of kSumsqBlock whatever the threads, each block summed on
+// its own and the blocks added in order in double, so the result is the same on any pool.
+EXPORT int mindloom_sumsq_many(int nparam, void **params, int *ndims, int64_t **shapes,
+                               const char **, void *, void *) {
+  const int n = nparam - 1;
+  if (n < 1 || ndims[n] != 1 || shapes[n][0] != n + 1) return 1;
+  struct Block {
+    const float *x;
+    int64_t len;
+    int tensor;
+  };
+  std::vector<Block> blocks;
+  for (int t = 0; t < n; ++t) {
+    const float *x = static_cast<float *>(params[t]);
+    const int64_t len = numel(ndims[t], shapes[t]);
+    for (int64_t lo = 0; lo < len; lo += kSumsqBlock)
+      blocks.push_back({x + lo, std::min(kSumsqBlock, len - lo), t});
+  }
+  std::vector<double> part(blocks.size(), 0.0);
+  parallel_rows(static_cast<int64_t>(blocks.size()), [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) part[b] = sumsq_flat(blocks[b].x, blocks[b].len);
+  });
+  std::vector<double> per(n, 0.0);
+  for (size_t b = 0; b < blocks.size(); ++b) per[blocks[b].tensor] += part[b];
+  float *out = static_cast<float *>(params[n]);
+  double total = 0.0;
+  for (int t = 0; t < n; ++t) {
+    out[t] = static_cast<float>(per[t]);
+    total += per[t];
+  }
+  out[n] = static_cast<float>(total);
+  return 0;
+}
