@@ -71,11 +71,13 @@ def test_compiled_step_matches_torch_adamw(tmp_path, norm):
     """`norm`: the global gradient norm by the fused CPU kernel (KernelSquareSums, what a
     model with `kernels: auto` gets) or by one matmul per tensor (the portable path)."""
     import mindspore as ms
-    from mindloom_model import get_preset, square_sums_kernel
+    from mindloom_model import cpu_kernels_buildable, get_preset, square_sums_kernel
     from mindloom_train import _step as S
     from mindspore import Tensor
     from train_testutil import linear_loss_setup
 
+    if norm == "fused kernel" and not cpu_kernels_buildable():
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     lin = linear_loss_setup()
     params, names, shapes, sizes = lin.params, lin.names, lin.shapes, lin.sizes

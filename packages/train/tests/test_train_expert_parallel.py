@@ -384,6 +384,8 @@ def test_ep_checkpoints_record_the_one_process_position(runs, resumed):
 
 
 # ------------------------------------------------------------------ tp2 x ep2 (4 workers)
+# in the default suite since session 21 (~75 s here: one 4-worker launch and a one-process
+# resume), once the fused kernels had made the suite ~3 minutes shorter
 
 TP_EP = {"dp": 2, "tp": 2, "ep": 2}
 
@@ -414,7 +416,6 @@ def _moved_slots(a: list, b: list) -> int:
 
 
 @pytest.mark.msrun
-@pytest.mark.slow
 def test_tp2_ep2_losses_loads_and_tensors_equal_one_process(reference, tp_ep):
     """Issue 17's 4-worker tp2 + ep2 through the trainer: MLA and the dense / shared-expert
     MLPs split over tp (deepseek_tp_plan), the routed experts over ep; every step's loss
@@ -464,10 +465,9 @@ def test_tp2_ep2_losses_loads_and_tensors_equal_one_process(reference, tp_ep):
 
 
 @pytest.mark.msrun
-@pytest.mark.slow
 def test_tp2_ep2_checkpoint_resumes_on_one_process(reference, tp_ep):
-    """TR: T's step-10 checkpoint (gathered over tp and ep) on one process, steps 11-20:
-    A's losses and loads."""
+    """TR: T's step-10 checkpoint (written per rank: tp shards and expert blocks at their
+    offsets) on one process, steps 11-20: A's losses and loads."""
     a, tr = step_records(reference["a"]), step_records(tp_ep["tr"])
     assert sorted(tr) == list(range(11, STEPS + 1))
     for step in tr:
