@@ -79,7 +79,7 @@ _LAZY = {
     "load_hf": "_hf",
     "save_hf": "_hf",
     "Llama": "_llama",
-    "square_sums_kernel": "_llama",
+    "square_sums_kernel": "_kernels",
     "LlamaWithLoss": "_llama",
     "attention_bias": "_llama",
     "causal_lm_loss": "_llama",

@@ -11,6 +11,7 @@ into place, under a file lock, so concurrent msrun workers build it once. The co
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -42,19 +43,29 @@ def _cache_root() -> Path:
     return Path(base) / "mindloom"
 
 
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> bytes:
+    """The shipped C++ source, hashed once per process (the memory estimate asks
+    `buildable()` for every layout it tries)."""
+    return hashlib.sha256(b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).digest()
+
+
 def _library_file() -> tuple[str, Path]:
     """($CXX, where its build of the current source lives)."""
     cxx = os.environ.get("CXX", "g++")
-    src = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(src + "\0".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_source_digest() + "\0".join([cxx, *_FLAGS]).encode()).hexdigest()[:16]
     return cxx, _cache_root() / "kernels" / key / "libmindloom_kernels.so"
+
+
+def _compiler_found(cxx: str) -> bool:
+    return bool(cxx.strip()) and shutil.which(cxx.split()[0]) is not None
 
 
 def buildable() -> bool:
     """Whether `kernels: auto` will have its library: built already, or a compiler to build
     it is on PATH (a compiler that then fails is only found out by building)."""
     cxx, lib = _library_file()
-    return lib.exists() or bool(cxx.strip() and shutil.which(cxx.split()[0]))
+    return lib.exists() or _compiler_found(cxx)
 
 
 def build_library() -> Path:
@@ -62,8 +73,7 @@ def build_library() -> Path:
     cxx, lib = _library_file()
     if lib.exists():
         return lib
-    exe = shutil.which(cxx.split()[0]) if cxx.strip() else None
-    if exe is None:
+    if not _compiler_found(cxx):
         raise RuntimeError(f"no C++ compiler (CXX={cxx!r} not found)")
     out_dir = lib.parent
     out_dir.mkdir(parents=True, exist_ok=True)

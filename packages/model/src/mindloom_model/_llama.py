@@ -321,17 +321,6 @@ def use_cpu_kernels(cfg: ModelConfig, compute_dtype=ms.float32) -> bool:
     return _kernels.available()
 
 
-def square_sums_kernel(cfg: ModelConfig, n: int):
-    """The fused CPU kernel for n fp32 tensors' sums of squares and their total in one call
-    (a Cell: tensors -> [n + 1]; mindloom_train's global gradient norm), or None where
-    `use_cpu_kernels(cfg)` is False."""
-    if not use_cpu_kernels(cfg):
-        return None
-    from mindloom_model import _kernels
-
-    return _kernels.KernelSquareSums(n)
-
-
 def _install_kernels(model: Llama) -> None:
     from mindloom_model import _kernels
 

@@ -230,7 +230,7 @@ class _Activations:
         # backward transient: the gradient of a layer's largest saved tensor, twice
         largest = max(x.bytes(b, s, lay.tp, lay.sp) for x in self.inv_dense + self.inv_moe)
         act += 2 * largest
-        if self.cpu_graph and mcfg.family == "llama" and self.kernels:
+        if self.kernels:  # implies the Llama CPU graph (see estimate)
             layer, head = cpu_kernel_graph_intermediates(mcfg, b, s)
             act = layer * len(layers) + head
         elif self.cpu_graph and mcfg.family == "llama":
@@ -303,7 +303,7 @@ def _add_fixed(comps: dict, runtime_bytes: int, n_layers: int, cpu_graph: bool,
     """A stage's fragmentation reserve, runtime and (CPU) graph compiler bytes."""
     comps["fragmentation reserve"] = FRAGMENTATION_SHARE * sum(comps.values())
     comps["runtime"] = runtime_bytes
-    if cpu_graph and kernels:
+    if kernels:  # implies cpu_graph
         comps["graph compiler"] = (COMPILE_CPU_KERNELS_FIXED
                                    + COMPILE_CPU_KERNELS_PER_LAYER * n_layers)  # fmt: skip
     elif cpu_graph:
@@ -374,9 +374,10 @@ def estimate(
     components = {k: int(v) for k, v in comps_by_stage[worst].items()}
     if is_cpu and cdt != mcfg.compute_dtype:
         notes.append(f"CPU: compute in float32 (no {mcfg.compute_dtype} MatMul)")
-    per_layer = layer_activation_bytes(inv_moe if n_moe else inv_dense, b, s, lay.tp, lay.sp)
     if kernels:
         per_layer = cpu_kernel_graph_intermediates(mcfg, b, s)[0]
+    else:
+        per_layer = layer_activation_bytes(inv_moe if n_moe else inv_dense, b, s, lay.tp, lay.sp)
     est = Estimate(
         components=components,
         total=int(sum(components.values())),

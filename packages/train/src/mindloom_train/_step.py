@@ -16,6 +16,7 @@ import math
 
 import mindspore as ms
 import numpy as np
+from mindloom_model import square_sums_kernel
 from mindspore import Parameter, Tensor, nn, ops
 
 # layout of the `hyper` vector fed to every step
@@ -147,15 +148,10 @@ class TrainStep(_Base):
         # the fused CPU kernel for every tensor's squared norm in one call (model.kernels:
         # auto), else one [1, n] x [n, 1] matmul per tensor; not under tp, whose reducer
         # weighs the per-tensor values
-        self.square_sums = None
-        if share is not None:
-            self.square_sums = share.square_sums
-        elif norm_reducer is None:
-            cfg = getattr(getattr(loss_net, "model", None), "config", None)
-            if cfg is not None:
-                from mindloom_model import square_sums_kernel
-
-                self.square_sums = square_sums_kernel(cfg, len(weights))
+        cfg = getattr(getattr(loss_net, "model", None), "config", None)
+        self.square_sums = share.square_sums if share is not None else None
+        if share is None and norm_reducer is None and cfg is not None:
+            self.square_sums = square_sums_kernel(cfg, len(weights))
 
     def sibling(self, cls=None, loss_net=None, numerics: bool = False) -> TrainStep:
         """Another graph of this step over the same state (moments, buffers) and the same

@@ -32,6 +32,7 @@ __all__ = [
     "KernelAttention",
     "KernelRopeAttention",
     "KernelSquareSums",
+    "square_sums_kernel",
 ]
 
 _state: dict = {}
@@ -109,6 +110,15 @@ class KernelSquareSums(nn.Cell):
 
     def construct(self, *tensors):
         return self.op(*tensors)
+
+
+def square_sums_kernel(cfg, n: int) -> KernelSquareSums | None:
+    """The fused CPU kernel for n fp32 tensors' sums of squares and their total in one call
+    (mindloom_train's global gradient norm), or None where `use_cpu_kernels(cfg)` (the
+    model's own test: kernels auto, fp32, CPU, built) is False."""
+    from mindloom_model._llama import use_cpu_kernels
+
+    return KernelSquareSums(n) if use_cpu_kernels(cfg) else None
 
 
 class KernelCrossEntropy(nn.Cell):

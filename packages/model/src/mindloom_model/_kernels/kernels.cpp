@@ -232,8 +232,6 @@ EXPORT int mindloom_ce_bwd(int nparam, void **params, int *ndims, int64_t **shap
   return 0;
 }
 
-// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
-
 // t_0 .. t_{n-1} (fp32, any shapes) -> out [n + 1]: each tensor's sum of squares, then their
 // total. One call for the global gradient norm instead of one reduction per tensor; the
 // values are cut into blocks of kSumsqBlock whatever the threads, each block summed on
@@ -269,3 +267,5 @@ EXPORT int mindloom_sumsq_many(int nparam, void **params, int *ndims, int64_t **
   out[n] = static_cast<float>(total);
   return 0;
 }
+
+// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
