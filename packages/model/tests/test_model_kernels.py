@@ -384,6 +384,99 @@ def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_p
                                        err_msg=f"{isa}: {name}")  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- MoE experts
+
+_GMM_CHILD = """
+import ctypes, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+d = np.load(sys.argv[2])
+
+def call(name, arrays):
+    n = len(arrays)
+    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    return getattr(lib, name)(
+        n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
+        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
+        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)
+
+x, w, dy, counts = d["x"], d["w"], d["dy"], d["counts"]
+y = np.full((x.shape[0], w.shape[1]), np.nan, np.float32)  # every element must be written
+dx = np.full(x.shape, np.nan, np.float32)
+dw = np.full(w.shape, np.nan, np.float32)
+assert call("mindloom_gmm_nt", [x, w, counts, y]) == 0
+assert call("mindloom_gmm_nn", [dy, w, counts, dx]) == 0
+assert call("mindloom_gmm_tn", [dy, x, counts, dw]) == 0
+bad = counts.copy()
+bad[0] += x.shape[0] - counts.sum() + 1  # one row more than x has
+refused = call("mindloom_gmm_nt", [x, w, bad, np.zeros_like(y)]) != 0
+np.savez(sys.argv[3], y=y, dx=dx, dw=dw, refused=refused)
+"""
+
+
+def numpy_grouped(x, w, counts, dy):
+    """float64 reference: (y, dx, dw) of rows grouped by expert, rows past them zero."""
+    off = np.concatenate([[0], np.cumsum(counts)])
+    x64, w64, g64 = x.astype(np.float64), w.astype(np.float64), dy.astype(np.float64)
+    y, dx = np.zeros((x.shape[0], w.shape[1])), np.zeros(x.shape)
+    dw = np.zeros(w.shape)
+    for e in range(len(counts)):
+        rows = slice(off[e], off[e + 1])
+        y[rows] = x64[rows] @ w64[e].T
+        dx[rows] = g64[rows] @ w64[e]
+        dw[e] = g64[rows].T @ x64[rows]
+    return y, dx, dw
+
+
+def test_grouped_expert_products_every_instruction_set_against_numpy(tmp_path):
+    """The MoE experts' grouped GEMM's three products (y = x_e w_e^T, dx = dy_e w_e,
+    dw_e = dy_e^T x_e) against float64 NumPy, once per instruction set the library builds:
+    an idle expert (dw zero), an expert of one row, one of more rows than a task holds
+    (400 > 384), rows past the last expert (zero out), a depth over one packed slice
+    (K = 300 > 256) and outputs wider than a task (N = 260 > 256) with edge tiles on both
+    sides; counts that overrun x are refused. Plants: the second depth slice written
+    instead of added; the last expert's rows skipped (see the model README)."""
+    import subprocess
+    import sys
+
+    data = np.random.default_rng(11)
+    counts = np.array([5, 0, 1, 400, 37], np.int32)
+    p, k, n = int(counts.sum()) + 9, 300, 260
+    arrays = dict(
+        x=data.standard_normal((p, k)).astype(np.float32),
+        w=data.standard_normal((len(counts), n, k)).astype(np.float32),
+        dy=data.standard_normal((p, n)).astype(np.float32),
+        counts=counts,
+    )
+    np.savez(tmp_path / "in.npz", **arrays)
+    want = numpy_grouped(arrays["x"], arrays["w"], counts, arrays["dy"])
+    for isa in ("base", "avx2", "avx512"):
+        out = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MINDLOOM_KERNEL_ISA=isa)
+        subprocess.run([sys.executable, "-c", _GMM_CHILD, str(K.library_path()),
+                        str(tmp_path / "in.npz"), str(out)], env=env, check=True,
+                       timeout=120)  # fmt: skip
+        got = np.load(out)
+        for name, ref in zip(("y", "dx", "dw"), want):
+            np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-3,
+                                       err_msg=f"{isa}: {name}")  # fmt: skip
+        assert bool(got["refused"]), isa
+
+
+def test_grouped_matmul_cell_gradients_against_numpy():
+    # the Cell's bprop wiring: MindSpore's gradients of sum(y * g) for x and w
+    counts = np.array([3, 0, 6, 2], np.int32)
+    x = rng.standard_normal((13, 24)).astype(np.float32)
+    w = rng.standard_normal((4, 10, 24)).astype(np.float32)
+    g = rng.standard_normal((13, 10)).astype(np.float32)
+    kern, gt, ct = K.KernelGroupedMatMul(), Tensor(g), Tensor(counts)
+    y = kern(Tensor(x), Tensor(w), ct).asnumpy()
+    dx, dw = grads(lambda a, b: (kern(a, b, ct) * gt).sum(), (x, w), (0, 1))
+    want = numpy_grouped(x, w, counts, g)
+    for got, ref in zip((y, dx.asnumpy(), dw.asnumpy()), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- whole model
 
 
@@ -570,7 +663,8 @@ def deepseek_losses(kernels: str, steps: int = 3):
              model.layers[0].attn.q_a_norm.kernel, model.layers[0].attn.kv_a_norm.kernel,
              mtp.block.mlp.shared.kernel, mtp.enorm.kernel, mtp.hnorm.kernel,
              mtp.block.attn.kernel]  # fmt: skip
-    sites += [c.kernel for _, c in model.cells_and_names() if isinstance(c, Experts)]
+    sites += [x for _, c in model.cells_and_names() if isinstance(c, Experts)
+              for x in (c.kernel, c.grouped)]  # fmt: skip
     assert all((x is not None) == fused for x in sites) and model.kernel_attention == fused
     opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=3e-3)
     step = _DeepseekStep(DeepseekV3WithLoss(model), opt)

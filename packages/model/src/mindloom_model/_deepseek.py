@@ -271,6 +271,7 @@ class DeepseekV3(nn.Cell):
 def _install_kernels(model: DeepseekV3) -> None:
     """The fused CPU kernels (see use_cpu_kernels): every RMSNorm (MLA's latent norms and
     the MTP norms included), the SwiGLU of dense layers, shared and routed experts, the
+    routed experts' grouped products (the dispatch then sorts slots unpadded), the
     cross-entropy of the main and MTP losses, and MLA's attention (dn+dr wide keys, dv
     wide values, the model's softmax scale) unless dropout is on."""
     from mindloom_model import _kernels
@@ -281,6 +282,8 @@ def _install_kernels(model: DeepseekV3) -> None:
             cell.kernel = _kernels.KernelRMSNorm()
         elif isinstance(cell, (MLP, Experts)):
             cell.kernel = _kernels.KernelSwiGLU()
+            if isinstance(cell, Experts):
+                cell.grouped = _kernels.KernelGroupedMatMul()
         elif isinstance(cell, MLAttention) and model.config.dropout == 0:
             cell.kernel = _kernels.KernelAttention(cell.scale)
             model.kernel_attention = True

@@ -147,18 +147,26 @@ class Experts(nn.Cell):
         self.bmm_t = ops.BatchMatMul(transpose_b=True)
         self.rows = _RowsByOneHot()
         self.kernel = None  # a _kernels.KernelSwiGLU, set by the model's _install_kernels
+        # a _kernels.KernelGroupedMatMul (set there too): the dispatch then sorts the slots
+        # into [P, D] rows by expert, unpadded, and passes each expert's row count
+        self.grouped = None
 
     # how block b gets expert owner[b]'s weights: "matmul" (a one-hot [nb, E] product, its
     # backward a matmul) or "gather" (ops.gather, its backward a scatter-add); measured in
     # benchmarks/moe_step.py (moe vs moe-gather)
     weights_by = "matmul"
 
-    def construct(self, xs, owner=None):
+    def construct(self, xs, owner=None, counts=None):
         """xs [E, T, D] (expert e's tokens in row e) -> [E, T, D]; with owner [nb, E] one-hot
         fp32, xs [nb, T, D] is blocks of rows and block b runs expert argmax(owner[b]) ->
-        [nb, T, D]. One cell call either way, so `recompute()` on this cell covers the
-        expert matmuls."""
+        [nb, T, D]; with counts [E] int32 (the grouped kernel), xs [P, D] is rows sorted by
+        expert, counts[e] of them expert e's -> [P, D]. One cell call each way, so
+        `recompute()` on this cell covers the expert matmuls."""
         cd = self.compute_dtype
+        if counts is not None:  # the kernel runs fp32 only (use_cpu_kernels)
+            gmm = self.grouped
+            hid = self.kernel(gmm(xs, self.w1, counts), gmm(xs, self.w3, counts))  # [P, Fm]
+            return gmm(hid, self.w2, counts)  # [P, D]
         if owner is None:
             w1, w2, w3 = self.w1.astype(cd), self.w2.astype(cd), self.w3.astype(cd)
         elif self.weights_by == "matmul":
@@ -246,8 +254,10 @@ class MoE(ExpertParallelMoE, nn.Cell):
         n, d = flat.shape
         e = one.shape[-1]
         slots = n * self.k
-        t = _block_size(slots, self.e, self.block_rows)
-        nb = -(-slots // t) + e
+        grouped = self.experts.grouped is not None
+        # the grouped kernel takes each expert's rows as they come: T = 1, no pad blocks
+        t = 1 if grouped else _block_size(slots, self.e, self.block_rows)
+        nb = -(-slots // t) + (0 if grouped else e)
         p = nb * t
         oh = one.reshape(slots, e)  # [S, E] fp32 0/1, S = N*k slots
         ones_e = ops.ones((e, 1), ms.float32)
@@ -271,7 +281,22 @@ class MoE(ExpertParallelMoE, nn.Cell):
             row_token = row_token[:p]
         row_token = ops.stop_gradient(row_token).astype(ms.int32)
         padded_flat = ops.concat((ops.zeros((1, d), flat.dtype), flat), 0)  # row 0: zeros
-        xs = ops.gather(padded_flat, row_token, 0).reshape(nb, t, d)
+        xs = ops.gather(padded_flat, row_token, 0)  # [P, D]
+        if grouped:
+            ys = self.experts(xs, counts=ops.stop_gradient(counts).astype(ms.int32))
+        else:
+            ys = self._blocks_experts(xs.reshape(nb, t, d), ends, nb, t).reshape(p, d)
+        # each row's slot weight (0 for pad rows); w's gradient comes back by a gather
+        row_w = ops.unsorted_segment_sum(w.reshape(slots), dest, rows)  # [P (+1)]
+        if partial:
+            row_w = row_w[:p]
+        ys = self.scale_rows(ys, row_w.astype(ys.dtype).reshape(p, 1))
+        like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
+        return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
+
+    def _blocks_experts(self, xs, ends, nb: int, t: int):
+        """xs [nb, T, D] blocks of rows, ends [E] where each expert's padded rows end ->
+        the experts over the blocks [nb, T, D]."""
         # block b belongs to expert owner[b] = #experts whose padded range ends at or
         # before row b*T (blocks past the last range hold only zero rows: the last
         # expert), as a one-hot [nb, E]: 1 where ends[e-1] <= b*T < ends[e]
@@ -280,14 +305,7 @@ class MoE(ExpertParallelMoE, nn.Cell):
         past = ops.concat((past[:, :-1], ops.zeros((nb, 1), ms.float32)), 1)  # [nb, E]
         before = ops.concat((ops.ones((nb, 1), ms.float32), past[:, :-1]), 1)
         owner = ops.stop_gradient(before - past)  # [nb, E] one-hot
-        ys = self.experts(xs, owner).reshape(p, d)  # [P, D]
-        # each row's slot weight (0 for pad rows); w's gradient comes back by a gather
-        row_w = ops.unsorted_segment_sum(w.reshape(slots), dest, rows)  # [P (+1)]
-        if partial:
-            row_w = row_w[:p]
-        ys = self.scale_rows(ys, row_w.astype(ys.dtype).reshape(p, 1))
-        like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
-        return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
+        return self.experts(xs, owner)
 
     def construct(self, x):
         b, s, d = x.shape

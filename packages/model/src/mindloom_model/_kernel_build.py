@@ -22,7 +22,8 @@ from pathlib import Path
 __all__ = ["build_library", "buildable"]
 
 _HERE = Path(__file__).parent / "_kernels"
-_SOURCES = [_HERE / "kernels.cpp", _HERE / "attention.cpp"]  # compiled into one library
+# compiled into one library
+_SOURCES = [_HERE / "kernels.cpp", _HERE / "attention.cpp", _HERE / "experts.cpp"]
 _HEADERS = [_HERE / "kernels.h"]
 _FLAGS = [
     "-O3",

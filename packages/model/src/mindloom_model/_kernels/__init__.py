@@ -1,4 +1,4 @@
-"""Fused CPU kernels (kernels.cpp, attention.cpp, kernels.h) as MindSpore AOT custom operators,
+"""Fused CPU kernels (kernels.cpp, attention.cpp, experts.cpp, kernels.h) as MindSpore AOT custom operators,
 each with its bprop.
 
 The C++ source ships in the package and is compiled on first use into the user's cache,
@@ -32,6 +32,7 @@ __all__ = [
     "KernelAttention",
     "KernelRopeAttention",
     "KernelSquareSums",
+    "KernelGroupedMatMul",
     "square_sums_kernel",
 ]
 
@@ -207,3 +208,24 @@ class KernelRopeAttention(nn.Cell):
         dq, dk, dv = self.bwd(q, k, v, segment_ids, self.scale_t, cos, sin, out[0], out[1], dout[0])
         # the tables are constants of the step (no gradient flows to them)
         return dq, dk, dv, ops.zeros_like(segment_ids), ops.zeros_like(cos), ops.zeros_like(sin)
+
+
+class KernelGroupedMatMul(nn.Cell):
+    """The MoE experts' grouped product: (x [P, K] fp32, w [E, N, K] fp32, counts [E]
+    int32) -> y [P, N], where rows [off_e, off_e + counts[e]) of x (off_e = counts[:e]
+    summed) belong to expert e and y's rows are x's @ w[e].T; rows past the last expert's
+    are zero. One call for all experts, each expert's rows an ordinary product with its
+    weight: no row padded per expert, no weight copied per block (the portable blocks
+    dispatch's costs). Counts that are negative or sum past P make the op raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("gmm_nt", lambda x, w, c: [x[0], w[1]], lambda x, w, c: _f32)
+        self.bwd_x = _op("gmm_nn", lambda g, w, c: [g[0], w[2]], lambda g, w, c: _f32)
+        self.bwd_w = _op("gmm_tn", lambda g, x, c: [c[0], g[1], x[1]], lambda g, x, c: _f32)
+
+    def construct(self, x, w, counts):
+        return self.fwd(x, w, counts)
+
+    def bprop(self, x, w, counts, out, dout):
+        return self.bwd_x(dout, w, counts), self.bwd_w(dout, x, counts), ops.zeros_like(counts)

@@ -1,0 +1,319 @@
+// Grouped matrix products for the MoE experts (see kernels.h for the signature and the pool).
+//
+// The dropless dispatch sorts the routed (token, expert) slots by expert: rows
+// [off_e, off_e + count_e) of x [P, K] belong to expert e, in expert order, and rows past
+// the last expert's are empty (zeros out). Each expert's rows are then one ordinary
+// product with that expert's weight, and the three entry points are the three a linear
+// layer needs:
+//   gmm_nt  y [P, N] = x_e [c_e, K] @ w_e^T    (w [E, N, K]: the forward)
+//   gmm_nn  dx [P, K] = dy_e [c_e, N] @ w_e    (the input's gradient)
+//   gmm_tn  dw [E, N, K]: dw_e = dy_e^T @ x_e  (the weight's gradient; 0 for an idle expert)
+// counts [E] int32 say where each expert's rows start; no buffer is padded per expert and
+// no expert's weights are copied per block of rows (the portable dispatch does both).
+//
+// One packed GEMM serves all three (Goto/BLIS's scheme, one level): C [M, N] = A [M, K] B
+// [K, N] with A and B read through strides, so a transposed operand is just other strides.
+// A task is a block of MC rows x NC columns of one expert's C; per KC-deep slice it copies
+// its B block into NR-wide column panels and its A block into MR-tall row panels (zero
+// padded: the register tile needs no edge cases), then runs the MR x NR register tile over
+// every pair of panels. Tasks are taken from an atomic counter by the pool's threads.
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace mindloom_kernels;
+
+constexpr int64_t MT = 384;  // rows of a task
+constexpr int64_t MC = 96;   // rows of a packed A block (a multiple of every MR below)
+constexpr int64_t NC = 256;  // columns of a task (a multiple of every NR below)
+constexpr int64_t KC = 256;  // depth of one packed slice
+
+// C [m, n] (=|+=) A [m, k] B [k, n], A(i, p) = a[i * ars + p * aks], B(p, j) = b[p * bks +
+// j * bns], C row-major with leading dimension ldc. k == 0 writes zeros.
+struct Gemm {
+  const float *a;
+  int64_t ars, aks;
+  const float *b;
+  int64_t bks, bns;
+  float *c;
+  int64_t ldc, m, n, k;
+};
+
+struct Task {
+  int32_t g;  // which Gemm
+  int64_t m0, n0;
+};
+
+struct GmmJob {
+  const std::vector<Gemm> *gemms;
+  const std::vector<Task> *tasks;
+  std::atomic<int64_t> *next;
+};
+
+// *p in every lane: for AVX-512 a broadcast load (a load-unit op; broadcasting from a
+// register instead takes a shuffle from the FMA pipes: ~74 against ~87 GFLOP/s on one
+// Zen 4 core)
+typedef float v16 __attribute__((vector_size(64)));
+
+template <class V>
+__attribute__((always_inline)) inline V broadcast(const float *p) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+  if constexpr (sizeof(V) == 64) {  // only instantiated in the AVX-512 body
+    V v;
+    asm("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+  }
+#endif
+  return V{} + *p;
+}
+
+// The MR x NR register tile: MR rows of NV vectors V (NR = NV * lanes), accumulated over
+// kc steps from packed panels ap [kc][MR] and bp [kc][NR]; stored (or added) into the
+// mr x nr corner of C that exists.
+template <class V, int MR, int NV>
+__attribute__((always_inline)) inline void tile(int64_t kc, const float *ap, const float *bp,
+                                                float *c, int64_t ldc, int64_t mr, int64_t nr,
+                                                bool accumulate) {
+  constexpr int L = sizeof(V) / sizeof(float);
+  constexpr int NR = NV * L;
+  typedef float Vu __attribute__((vector_size(sizeof(V)), aligned(4)));
+  V t[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) t[i][j] = V{};
+  for (int64_t p = 0; p < kc; ++p, ap += MR, bp += NR) {
+    V bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) bv[j] = *reinterpret_cast<const V *>(bp + j * L);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const V av = broadcast<V>(ap + i);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) t[i][j] += av * bv[j];
+    }
+  }
+  if (mr == MR && nr == NR) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        Vu *dst = reinterpret_cast<Vu *>(c + i * ldc + j * L);
+        *dst = accumulate ? *dst + t[i][j] : t[i][j];
+      }
+    return;
+  }
+  // an edge tile: through a buffer (indexing t by a run-time lane would keep it in memory)
+  alignas(64) float buf[MR][NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) *reinterpret_cast<V *>(&buf[i][j * L]) = t[i][j];
+  for (int64_t i = 0; i < mr; ++i)
+    for (int64_t j = 0; j < nr; ++j) c[i * ldc + j] = accumulate ? c[i * ldc + j] + buf[i][j] : buf[i][j];
+}
+
+// rows [m0, m0 + mc) x depth [p0, p0 + kc) of A into MR-tall panels, ap [mc/MR][kc][MR],
+// zero rows past mc. The loop order follows A's layout: rows contiguous in depth (x, dy
+// as they are) are transposed row by row; depth-major A (dy read transposed) is copied
+// MR values at a time.
+template <int MR>
+inline void pack_a(const Gemm &g, int64_t m0, int64_t mc, int64_t p0, int64_t kc, float *ap) {
+  for (int64_t i0 = 0; i0 < mc; i0 += MR, ap += kc * MR) {
+    const int rows = static_cast<int>(std::min<int64_t>(MR, mc - i0));
+    const float *src = g.a + (m0 + i0) * g.ars + p0 * g.aks;
+    if (g.aks == 1) {
+      for (int i = 0; i < MR; ++i) {
+        const float *r = src + i * g.ars;
+        for (int64_t p = 0; p < kc; ++p) ap[p * MR + i] = i < rows ? r[p] : 0.f;
+      }
+    } else {
+      for (int64_t p = 0; p < kc; ++p) {
+        const float *r = src + p * g.aks;
+        for (int i = 0; i < MR; ++i) ap[p * MR + i] = i < rows ? r[i * g.ars] : 0.f;
+      }
+    }
+  }
+}
+
+// depth [p0, p0 + kc) x columns [n0, n0 + nc) of B into NR-wide panels, bp [nc/NR][kc][NR],
+// zero columns past nc; as above, a transpose when B's columns are contiguous in depth (a
+// weight read as w^T), row copies when its rows are (w, x)
+template <int NR>
+inline void pack_b(const Gemm &g, int64_t n0, int64_t nc, int64_t p0, int64_t kc, float *bp) {
+  for (int64_t j0 = 0; j0 < nc; j0 += NR, bp += kc * NR) {
+    const int cols = static_cast<int>(std::min<int64_t>(NR, nc - j0));
+    const float *src = g.b + p0 * g.bks + (n0 + j0) * g.bns;
+    if (g.bks == 1) {
+      for (int j = 0; j < NR; ++j) {
+        const float *col = src + j * g.bns;
+        for (int64_t p = 0; p < kc; ++p) bp[p * NR + j] = j < cols ? col[p] : 0.f;
+      }
+    } else if (g.bns == 1 && cols == NR) {
+      for (int64_t p = 0; p < kc; ++p) std::memcpy(bp + p * NR, src + p * g.bks, sizeof(float) * NR);
+    } else {
+      for (int64_t p = 0; p < kc; ++p) {
+        const float *row = src + p * g.bks;
+        for (int j = 0; j < NR; ++j) bp[p * NR + j] = j < cols ? row[j * g.bns] : 0.f;
+      }
+    }
+  }
+}
+
+// one thread's share of a job: tasks from the counter until none is left. A task is MT
+// rows x NC columns of one product: per KC-deep slice its B block is packed once and
+// its rows go through in MC-row A blocks (an expert's ~N k / E rows are usually one task,
+// so each weight is packed once per call).
+template <class V, int MR, int NV>
+__attribute__((always_inline)) inline void gmm_body(const GmmJob &job) {
+  constexpr int NR = NV * static_cast<int>(sizeof(V) / sizeof(float));
+  static_assert(MC % MR == 0 && NC % NR == 0, "blocks hold whole panels");
+  // 64-byte aligned panels: the register tile loads B's rows as whole vectors
+  std::vector<float> abuf(MC * KC + 16), bbuf(NC * KC + 16);
+  float *ap = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(abuf.data()) + 63) & ~uintptr_t(63));
+  float *bp = reinterpret_cast<float *>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
+  const auto &tasks = *job.tasks;
+  for (;;) {
+    const int64_t t = job.next->fetch_add(1, std::memory_order_relaxed);
+    if (t >= static_cast<int64_t>(tasks.size())) return;
+    const Task &task = tasks[t];
+    const Gemm &g = (*job.gemms)[task.g];
+    const int64_t mt = std::min(MT, g.m - task.m0), nc = std::min(NC, g.n - task.n0);
+    float *ct = g.c + task.m0 * g.ldc + task.n0;
+    if (g.k == 0) {
+      for (int64_t i = 0; i < mt; ++i) std::fill(ct + i * g.ldc, ct + i * g.ldc + nc, 0.f);
+      continue;
+    }
+    for (int64_t p0 = 0; p0 < g.k; p0 += KC) {
+      const int64_t kc = std::min(KC, g.k - p0);
+      pack_b<NR>(g, task.n0, nc, p0, kc, bp);
+      for (int64_t m0 = 0; m0 < mt; m0 += MC) {
+        const int64_t mc = std::min(MC, mt - m0);
+        pack_a<MR>(g, task.m0 + m0, mc, p0, kc, ap);
+        float *c = ct + m0 * g.ldc;
+        for (int64_t j0 = 0; j0 < nc; j0 += NR)
+          for (int64_t i0 = 0; i0 < mc; i0 += MR)
+            tile<V, MR, NV>(kc, ap + i0 * kc, bp + j0 * kc, c + i0 * g.ldc + j0, g.ldc,
+                            std::min<int64_t>(MR, mc - i0), std::min<int64_t>(NR, nc - j0),
+                            p0 > 0);
+      }
+    }
+  }
+}
+
+// Compiled three times, as attention.cpp's bodies are (the same reasons, the same
+// $MINDLOOM_KERNEL_ISA override): AVX-512 holds a 12 x 32 tile in 24 of its 32 registers,
+// AVX2 a 6 x 16 tile in 12 of its 16, the baseline the AVX2 shape in SSE halves.
+using GmmFn = void (*)(const GmmJob &);
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MINDLOOM_NO_CLONES)
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void gmm_avx512(const GmmJob &j) {
+  gmm_body<v16, 12, 2>(j);
+}
+__attribute__((target("avx2,fma"))) void gmm_avx2(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
+void gmm_base(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
+GmmFn pick_gmm() {
+  __builtin_cpu_init();
+  const char *want = std::getenv("MINDLOOM_KERNEL_ISA");
+  const std::string w = want != nullptr ? want : "";
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && (w.empty() || w == "avx512")) return gmm_avx512;
+  if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return gmm_avx2;
+  return gmm_base;
+}
+#else
+void gmm_base(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
+GmmFn pick_gmm() { return gmm_base; }
+#endif
+
+void run_gemms(const std::vector<Gemm> &gemms) {
+  std::vector<Task> tasks;
+  for (int32_t g = 0; g < static_cast<int32_t>(gemms.size()); ++g)
+    for (int64_t m0 = 0; m0 < gemms[g].m; m0 += MT)
+      for (int64_t n0 = 0; n0 < gemms[g].n; n0 += NC) tasks.push_back({g, m0, n0});
+  static const GmmFn body = pick_gmm();
+  std::atomic<int64_t> next{0};
+  const GmmJob job{&gemms, &tasks, &next};
+  Pool::get().run([&](int, int) { body(job); });
+}
+
+// Each expert's first row from counts [E] (non-negative, summing to at most rows); false
+// for counts that do not fit, which makes the op raise.
+bool expert_offsets(const int32_t *counts, int64_t e, int64_t rows, std::vector<int64_t> *off) {
+  off->assign(e + 1, 0);
+  for (int64_t i = 0; i < e; ++i) {
+    if (counts[i] < 0) return false;
+    (*off)[i + 1] = (*off)[i] + counts[i];
+  }
+  return (*off)[e] <= rows;
+}
+
+}  // namespace
+
+// x [P, K], w [E, N, K], counts [E] int32 -> y [P, N]: y rows of expert e = x rows @ w_e^T;
+// rows past the experts' are zero
+EXPORT int mindloom_gmm_nt(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1) return 1;
+  const int64_t p = shapes[0][0], k = shapes[0][1], e = shapes[1][0], n = shapes[1][1];
+  if (shapes[1][2] != k || shapes[2][0] != e) return 1;
+  const auto *x = static_cast<const float *>(params[0]);
+  const auto *w = static_cast<const float *>(params[1]);
+  auto *y = static_cast<float *>(params[3]);
+  std::vector<int64_t> off;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  std::vector<Gemm> gemms;
+  for (int64_t i = 0; i < e; ++i)
+    if (off[i + 1] > off[i])
+      gemms.push_back({x + off[i] * k, k, 1, w + i * n * k, 1, k, y + off[i] * n, n,
+                       off[i + 1] - off[i], n, k});
+  run_gemms(gemms);
+  std::fill(y + off[e] * n, y + p * n, 0.f);
+  return 0;
+}
+
+// dy [P, N], w [E, N, K], counts [E] -> dx [P, K]: dx rows of expert e = dy rows @ w_e
+EXPORT int mindloom_gmm_nn(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1) return 1;
+  const int64_t p = shapes[0][0], n = shapes[0][1], e = shapes[1][0], k = shapes[1][2];
+  if (shapes[1][1] != n || shapes[2][0] != e) return 1;
+  const auto *dy = static_cast<const float *>(params[0]);
+  const auto *w = static_cast<const float *>(params[1]);
+  auto *dx = static_cast<float *>(params[3]);
+  std::vector<int64_t> off;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  std::vector<Gemm> gemms;
+  for (int64_t i = 0; i < e; ++i)
+    if (off[i + 1] > off[i])
+      gemms.push_back({dy + off[i] * n, n, 1, w + i * n * k, k, 1, dx + off[i] * k, k,
+                       off[i + 1] - off[i], k, n});
+  run_gemms(gemms);
+  std::fill(dx + off[e] * k, dx + p * k, 0.f);
+  return 0;
+}
+
+// dy [P, N], x [P, K], counts [E] -> dw [E, N, K]: dw_e = dy rows^T @ x rows of expert e
+// (zeros for an expert with no rows)
+EXPORT int mindloom_gmm_tn(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1) return 1;
+  const int64_t p = shapes[0][0], n = shapes[0][1], k = shapes[1][1], e = shapes[2][0];
+  if (shapes[1][0] != p) return 1;
+  const auto *dy = static_cast<const float *>(params[0]);
+  const auto *x = static_cast<const float *>(params[1]);
+  auto *dw = static_cast<float *>(params[3]);
+  std::vector<int64_t> off;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  std::vector<Gemm> gemms;
+  for (int64_t i = 0; i < e; ++i)
+    gemms.push_back({dy + off[i] * n, 1, n, x + off[i] * k, k, 1, dw + i * n * k, k, n, k,
+                     off[i + 1] - off[i]});
+  run_gemms(gemms);
+  return 0;
+}
