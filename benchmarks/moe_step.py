@@ -16,20 +16,27 @@ fused AdamW), as benchmarks/train_step.py does for Llama; every key but the two
 *-portable ones runs `model.kernels` = --kernels (default auto: mindloom's fused CPU
 kernels for norms, SwiGLU, attention and the loss, in both families):
   llama         the Llama preset (benchmarks/train_step.py's batch, packed documents)
-  moe           deepseek-v3-small without MTP, dropless dispatch (the default: routed
-                slots sorted by expert into blocks, one batched matmul over the blocks,
-                each block's expert weights picked by a one-hot matmul)
-  moe-gather    the same, the block weights picked by ops.gather (Experts.weights_by)
-  moe-t32       the same, blocks of 32 rows (MoE.block_rows; default: _block_size's)
+  moe           deepseek-v3-small without MTP, dropless dispatch (the default: with the
+                kernels, routed slots sorted by expert into unpadded rows and the experts
+                one grouped GEMM call per weight, KernelGroupedMatMul)
+  moe-blocks    the same through the portable path's dispatch (slots in blocks of T
+                rows, one batched matmul over the blocks, each block's expert weights
+                picked by a one-hot matmul), the other kernels on
+  moe-gather    moe-blocks with the block weights picked by ops.gather (Experts.weights_by)
+  moe-t32       moe-blocks with blocks of 32 rows (MoE.block_rows; default: _block_size's)
   moe-dense     the same, dropless by running every expert over every token
   moe-capacity  the same with moe_capacity_factor (gathered tokens, overflow dropped)
   moe+mtp       deepseek-v3-small as preset (dropless, one MTP depth): not in a ratio
+  mla-dense     deepseek-v3-small with every layer dense (first_k_dense_replace = all, no
+                MTP): MLA without routing, so "moe vs mla-dense" isolates what routing,
+                dispatch and the experts cost against PyTorch
   llama-portable, moe-portable   llama and moe with kernels: portable (MindSpore's ops)
 torch side, eager, torch.optim.AdamW after clip_grad_norm_(1.0):
   llama         benchmarks/train_step.py's PyTorch Llama
   moe           transformers' DeepseekV3ForCausalLM built from deepseek-v3-small through
                 mindloom_model's Hugging Face config mapping (it has no MTP: hence the
                 ratio is taken without MTP on both sides)
+  mla-dense     the same with every layer dense
 
 Ratios are mindspore tokens/s over torch tokens/s for the same architecture. MFU counts
 active FLOPs only (ModelConfig.flops_per_token: routed experts that a token uses, MLA,
@@ -54,15 +61,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 TAG = "@@moe_step "  # protocol lines between parent and workers; anything else is noise
-MS_KEYS = ("llama", "moe", "llama-portable", "moe-portable", "moe-gather", "moe-t32",
-           "moe-dense", "moe-capacity", "moe+mtp")  # fmt: skip
-TORCH_KEYS = ("llama", "moe")
-MOE_SAME_KERNELS = ("moe", "moe-gather", "moe-t32", "moe-dense", "moe-capacity")
+MS_KEYS = ("llama", "moe", "mla-dense", "llama-portable", "moe-portable", "moe-blocks",
+           "moe-gather", "moe-t32", "moe-dense", "moe-capacity", "moe+mtp")  # fmt: skip
+TORCH_KEYS = ("llama", "moe", "mla-dense")
+MOE_SAME_KERNELS = ("moe", "moe-blocks", "moe-gather", "moe-t32", "moe-dense", "moe-capacity")
 PAIRS = (
     ("llama", "llama"),
     ("moe", "moe"),
+    ("mla-dense", "mla-dense"),
     ("llama-portable", "llama"),
     ("moe-portable", "moe"),
+    ("moe-blocks", "moe"),
     ("moe-gather", "moe"),
     ("moe-t32", "moe"),
     ("moe-dense", "moe"),
@@ -146,11 +155,15 @@ def mindspore_models(args, tsb):
             over["kernels"] = kernels
             if key != "moe+mtp":
                 over["num_nextn_predict_layers"] = 0
+            if key == "mla-dense":
+                over["first_k_dense_replace"] = moe_config().num_layers
             cfg = moe_config(**over)
             model = DeepseekV3(cfg, seed=0)
             for cell in model.cells_and_names():
                 if isinstance(cell[1], MoE):  # read when the graph is built
                     cell[1].dropless = "dense" if key == "moe-dense" else "blocks"
+                    if key in ("moe-blocks", "moe-gather", "moe-t32"):
+                        cell[1].experts.grouped = None  # the blocks dispatch
                     if key == "moe-gather":
                         cell[1].experts.weights_by = "gather"
                     if key == "moe-t32":
@@ -216,6 +229,18 @@ def torch_models(args, tsb):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
     out["moe"] = (moe, moe_loss, args.moe_batch * cfg.max_seq_len, cfg)
+    if not args.only or "mla-dense" in args.only.split(","):
+        dcfg = moe_config(num_nextn_predict_layers=0, first_k_dense_replace=cfg.num_layers)
+        dense = transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(**deepseek_hf_config(dcfg))
+        )
+        dense.train()
+
+        def dense_loss(m=dense):
+            logits = m(input_ids=tokens, position_ids=pos).logits.float()
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
+
+        out["mla-dense"] = (dense, dense_loss, args.moe_batch * dcfg.max_seq_len, dcfg)
     runs = {}
     for key, (model, loss_fn, ntok, c) in out.items():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -357,6 +382,10 @@ def main(argv=None) -> int:
                 verdict = "meets" if ratios[key] >= ratios[llama] else "below"
                 print(f"{key}: ratio {ratios[key]:.2f}x vs {llama} {ratios[llama]:.2f}x"
                       f" -> {verdict} the target")  # fmt: skip
+    if "moe" in ratios and "mla-dense" in ratios:
+        verdict = "no more" if ratios["moe"] >= ratios["mla-dense"] else "more"
+        print(f"moe: ratio {ratios['moe']:.2f}x vs mla-dense {ratios['mla-dense']:.2f}x -> routing,"
+              f" dispatch and experts cost {verdict}, relatively, than in PyTorch")  # fmt: skip
     # the load-robust form: each framework's MoE step over its own Llama step (tokens/s)
     for fw, (lk, mk) in (("mindspore", ("llama", "moe")),
                          ("mindspore", ("llama-portable", "moe-portable")),

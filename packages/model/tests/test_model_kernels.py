@@ -463,6 +463,57 @@ def test_grouped_expert_products_every_instruction_set_against_numpy(tmp_path):
         assert bool(got["refused"]), isa
 
 
+def _ctypes_call(lib, name, arrays):
+    import ctypes
+
+    n = len(arrays)
+    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
+    return getattr(lib, name)(
+        n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
+        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
+        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)  # fmt: skip
+
+
+def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
+    """Counts [R, E] (expert parallel: each expert's rows per source rank): the weight
+    gradient is bit for bit each rank's rows' gradient (a call with [E] counts, as one
+    process computes a micro-batch's) added in rank order in fp32, also across a depth
+    slice (an expert with 300 rows from rank 0); y and dx are the [E] counts' ones.
+    Plant: the breaks ignored (one reduction over both ranks' rows): dw differs in the
+    last bits."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(K.library_path()))
+    data = np.random.default_rng(5)
+    per_rank = np.array([[3, 0, 300, 20], [0, 7, 41, 20]], np.int32)  # [R, E]
+    e, k, n = per_rank.shape[1], 40, 24
+    parts = [data.standard_normal((int(c.sum()), k)).astype(np.float32) for c in per_rank]
+    grads_ = [data.standard_normal((len(x), n)).astype(np.float32) for x in parts]
+    want = np.zeros((e, n, k), np.float32)
+    for x, g, c in zip(parts, grads_, per_rank):
+        dw = np.zeros((e, n, k), np.float32)
+        assert _ctypes_call(lib, "mindloom_gmm_tn", [g, x, c, dw]) == 0
+        want = want + dw  # fp32, rank by rank
+    # the ranks' rows merged expert by expert, rank order within each expert
+    off = [np.concatenate([[0], np.cumsum(c)]) for c in per_rank]
+    order = [(r, i) for i in range(e) for r in range(len(per_rank))]
+    x = np.concatenate([parts[r][off[r][i] : off[r][i + 1]] for r, i in order])
+    g = np.concatenate([grads_[r][off[r][i] : off[r][i + 1]] for r, i in order])
+    got = np.zeros((e, n, k), np.float32)
+    assert _ctypes_call(lib, "mindloom_gmm_tn", [g, x, per_rank, got]) == 0
+    np.testing.assert_array_equal(got, want)
+    flat = per_rank.sum(0).astype(np.int32)
+    w = data.standard_normal((e, n, k)).astype(np.float32)
+    for name, a, out_shape in (
+        ("mindloom_gmm_nt", x, (len(x), n)),
+        ("mindloom_gmm_nn", g, (len(x), k)),
+    ):
+        by_rank, by_expert = np.zeros(out_shape, np.float32), np.zeros(out_shape, np.float32)
+        assert _ctypes_call(lib, name, [a, w, per_rank, by_rank]) == 0
+        assert _ctypes_call(lib, name, [a, w, flat, by_expert]) == 0
+        np.testing.assert_array_equal(by_rank, by_expert)
+
+
 def test_grouped_matmul_cell_gradients_against_numpy():
     # the Cell's bprop wiring: MindSpore's gradients of sum(y * g) for x and w
     counts = np.array([3, 0, 6, 2], np.int32)

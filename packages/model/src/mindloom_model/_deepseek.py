@@ -285,7 +285,7 @@ def _install_kernels(model: DeepseekV3) -> None:
             if isinstance(cell, Experts):
                 cell.grouped = _kernels.KernelGroupedMatMul()
         elif isinstance(cell, MLAttention) and model.config.dropout == 0:
-            cell.kernel = _kernels.KernelAttention(cell.scale)
+            cell.kernel = _kernels.KernelRopeAttention(cell.scale)
             model.kernel_attention = True
     model.loss_kernel = _kernels.KernelCrossEntropy()
 

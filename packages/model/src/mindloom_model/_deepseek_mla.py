@@ -134,7 +134,51 @@ class MLAttention(nn.Cell):
         _, _, score_factor = yarn_inv_freq(cfg)
         self.scale = qk**-0.5 * score_factor
         self.attn_dropout = nn.Dropout(p=cfg.dropout) if cfg.dropout > 0 else None
-        self.kernel = None  # a _kernels.KernelAttention(self.scale), set by _install_kernels
+        # a _kernels.KernelRopeAttention(self.scale), set by _install_kernels
+        self.kernel = None
+        self.mm_t = ops.MatMul(transpose_b=True)
+        self._fused_indices(h)
+
+    def split_heads(self, n: int) -> None:
+        """Keep 1/n of the heads (tensor parallel: the projections' weights were cut by
+        head), and the fused path's gathers for that many heads."""
+        self.n_heads //= n
+        self._fused_indices(self.n_heads)
+
+    def _fused_indices(self, h: int) -> None:
+        """The fused path's gathers (see `fused`): every head's dn+dr query-key dims in the
+        order [nope first half, rope a, nope second half, rope b], where rope a / b are the
+        two halves RoPE pairs (the even / odd dims with rope_interleave, else the first /
+        second half), so the kernel's rotate_half over a whole head pairs rope a with rope
+        b and nope with nope (the tables leave nope as is). Scores are sums over the dims:
+        the order does not change them."""
+        dn, dr, dv, r = self.dn, self.dr, self.dv, self.r
+        qk = dn + dr
+        rope = np.r_[0:dr:2, 1:dr:2] if self.interleave else np.arange(dr)
+        ra, rb = rope[: dr // 2], rope[dr // 2 :]
+        nope = np.arange(dn)
+        head = np.concatenate([nope[: dn // 2], dn + ra, nope[dn // 2 :], dn + rb])
+        self.q_rows = Tensor((np.arange(h)[:, None] * qk + head).reshape(-1).astype(np.int32))
+        # k's rows: from kv_b_proj's key rows (padded with dr zero columns) and, for the rope
+        # dims, the rows of a [dr, r + dr] selector appended after them (the shared key)
+        base = h * (dn + dv)
+        per_head = []
+        for i in range(h):
+            nope_rows = i * (dn + dv) + nope
+            per_head.append(np.concatenate([nope_rows[: dn // 2], base + ra,
+                                            nope_rows[dn // 2 :], base + rb]))  # fmt: skip
+        self.k_rows = Tensor(np.concatenate(per_head).astype(np.int32))
+        self.v_rows = Tensor(
+            (np.arange(h)[:, None] * (dn + dv) + dn + np.arange(dv)).reshape(-1).astype(np.int32)
+        )
+        sel = np.zeros((dr, r + dr), np.float32)
+        sel[:, r:] = np.eye(dr, dtype=np.float32)
+        self.k_rope_sel = Tensor(sel)
+        # table columns: 0 = the nope constant (cos 1, sin 0), 1 + j = the rope table's j
+        self.table_cols = Tensor(
+            np.concatenate([np.zeros(dn // 2), 1 + np.arange(dr // 2),
+                            np.zeros(dn // 2), 1 + dr // 2 + np.arange(dr // 2)]).astype(np.int32)
+        )  # fmt: skip
 
     def query(self, x, cos, sin):
         # x [B, S, D] -> q [B, H, S, dn+dr], RoPE on its last dr
@@ -170,23 +214,36 @@ class MLAttention(nn.Cell):
     def fused(self, x, cos, sin, segment_ids):
         """The fused CPU kernel's path: x [B, S, D], cos/sin [B|1, S, 1, dr], segment ids
         [B|1, S] int32 -> [B, S, D]. Heads stay in the projections' [B, S, H, .] layout;
-        no [S, S] mask or scores exist; the kernel takes dn+dr wide keys and dv wide
-        values, and applies the softmax scale (YaRN's mscale included) itself."""
+        no [S, S] mask or scores exist; the kernel rotates q and k itself, takes dn+dr wide
+        keys and dv wide values, and applies the softmax scale (YaRN's mscale included).
+
+        No activation is sliced, concatenated or rotated per head outside the kernel (on
+        the CPU those copies and their backward were ~10% of deepseek-v3-small's step): the
+        head dims are reordered (`_fused_indices`) by gathering the projections' weight
+        rows, so the kernel's whole-head RoPE rotates only the rope dims; each head's key is
+        one product of the latent [c, k_rope] [B, S, r+dr] with kv_b_proj's key rows
+        (zero-padded) and selector rows that copy the shared rope key."""
         b, s, _ = x.shape
-        h, dn, dr = self.n_heads, self.dn, self.dr
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.reshape(b, s, h, dn + dr)
-        q = ops.concat(
-            (q[..., :dn], _rope_pairs(q[..., dn:], cos, sin, self.rope_a, self.rope_b)), -1
-        )
+        h, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.r
+        qk = dn + dr
+        proj = self.q_b_proj if self.q_lora else self.q_proj
+        q_in = self.q_a_norm(self.q_a_proj(x)) if self.q_lora else x
+        wq = ops.gather(proj.weight, self.q_rows, 0)  # [H*qk, in], heads' dims reordered
+        q = self.mm_t(q_in.reshape(b * s, -1), wq).reshape(b, s, h, qk)
         ckv = self.kv_a_proj(x)  # [B, S, r + dr]
-        c = self.kv_a_norm(ckv[..., : self.r])
-        k_rope = _rope_pairs(
-            ckv[..., self.r :].reshape(b, s, 1, dr), cos, sin, self.rope_a, self.rope_b
-        )
-        kv = self.kv_b_proj(c).reshape(b, s, h, dn + self.dv)
-        k = ops.concat((kv[..., :dn], k_rope.broadcast_to((b, s, h, dr))), -1)  # [B, S, H, dn+dr]
-        o = self.kernel(q, k, kv[..., dn:], segment_ids)[0]  # [B, S, H, dv]
+        c = self.kv_a_norm(ckv[..., :r])  # [B, S, r]
+        lat = ops.concat((c, ckv[..., r:]), -1).reshape(b * s, r + dr)  # rope key unrotated
+        w = self.kv_b_proj.weight  # [H*(dn+dv), r]
+        wk = ops.concat((ops.concat((w, ops.zeros((w.shape[0], dr), w.dtype)), -1),
+                         self.k_rope_sel.astype(w.dtype)), 0)  # fmt: skip
+        k = self.mm_t(lat, ops.gather(wk, self.k_rows, 0)).reshape(b, s, h, qk)
+        wv = ops.gather(w, self.v_rows, 0)  # [H*dv, r]
+        v = self.mm_t(c.reshape(b * s, r), wv).reshape(b, s, h, dv)
+        lead = cos.shape[:-2]  # [B|1, S]
+        cos_t = ops.concat((ops.ones(lead + (1,), cos.dtype), cos.reshape(lead + (dr,))), -1)
+        sin_t = ops.concat((ops.zeros(lead + (1,), sin.dtype), sin.reshape(lead + (dr,))), -1)
+        cos_t, sin_t = ops.gather(cos_t, self.table_cols, 2), ops.gather(sin_t, self.table_cols, 2)
+        o = self.kernel(q, k, v, segment_ids, cos_t, sin_t)[0]  # [B, S, H, dv]
         return self.wo(o.reshape(b, s, h * self.dv))
 
     def construct(self, x, cos, sin, bias):

@@ -159,8 +159,8 @@ class Experts(nn.Cell):
     def construct(self, xs, owner=None, counts=None):
         """xs [E, T, D] (expert e's tokens in row e) -> [E, T, D]; with owner [nb, E] one-hot
         fp32, xs [nb, T, D] is blocks of rows and block b runs expert argmax(owner[b]) ->
-        [nb, T, D]; with counts [E] int32 (the grouped kernel), xs [P, D] is rows sorted by
-        expert, counts[e] of them expert e's -> [P, D]. One cell call each way, so
+        [nb, T, D]; with counts [R, E] int32 (the grouped kernel), xs [P, D] is rows sorted
+        by expert, counts[:, e] summed of them expert e's -> [P, D]. One cell call each way, so
         `recompute()` on this cell covers the expert matmuls."""
         cd = self.compute_dtype
         if counts is not None:  # the kernel runs fp32 only (use_cpu_kernels)
@@ -283,7 +283,12 @@ class MoE(ExpertParallelMoE, nn.Cell):
         padded_flat = ops.concat((ops.zeros((1, d), flat.dtype), flat), 0)  # row 0: zeros
         xs = ops.gather(padded_flat, row_token, 0)  # [P, D]
         if grouped:
-            ys = self.experts(xs, counts=ops.stop_gradient(counts).astype(ms.int32))
+            by = counts.reshape(1, e)
+            if partial:  # per source rank (the rows come rank by rank): see KernelGroupedMatMul
+                r = self.e // e
+                by = ops.BatchMatMul()(ops.ones((r, 1, slots // r), ms.float32),
+                                       oh.reshape(r, slots // r, e)).reshape(r, e)  # fmt: skip
+            ys = self.experts(xs, counts=ops.stop_gradient(by).astype(ms.int32))
         else:
             ys = self._blocks_experts(xs.reshape(nb, t, d), ends, nb, t).reshape(p, d)
         # each row's slot weight (0 for pad rows); w's gradient comes back by a gather

@@ -208,6 +208,9 @@ def _apply_plan(model, plan: dict[str, str], tp: Group, sp: bool, regions):
         if style == "mlp_entry":
             return _EnterMLP(cell, enter())
         if style == "local_heads":
+            if hasattr(cell, "split_heads"):  # MLA: its fused path's gathers follow the heads
+                cell.split_heads(n)
+                return None
             cell.n_heads = cell.n_heads // n
             if hasattr(cell, "n_kv_heads"):  # MLA has one latent, no kv heads
                 cell.n_kv_heads = cell.n_kv_heads // n

@@ -214,7 +214,9 @@ class KernelGroupedMatMul(nn.Cell):
     """The MoE experts' grouped product: (x [P, K] fp32, w [E, N, K] fp32, counts [E]
     int32) -> y [P, N], where rows [off_e, off_e + counts[e]) of x (off_e = counts[:e]
     summed) belong to expert e and y's rows are x's @ w[e].T; rows past the last expert's
-    are zero. One call for all experts, each expert's rows an ordinary product with its
+    are zero. Counts [R, E] (expert parallel: expert e's rows per source rank, in rank
+    order) make w's gradient sum each rank's rows apart and add the R sums in order, the
+    rounding of a one-process run that adds its micro-batches' gradients. One call for all experts, each expert's rows an ordinary product with its
     weight: no row padded per expert, no weight copied per block (the portable blocks
     dispatch's costs). Counts that are negative or sum past P make the op raise."""
 
@@ -222,7 +224,7 @@ class KernelGroupedMatMul(nn.Cell):
         super().__init__()
         self.fwd = _op("gmm_nt", lambda x, w, c: [x[0], w[1]], lambda x, w, c: _f32)
         self.bwd_x = _op("gmm_nn", lambda g, w, c: [g[0], w[2]], lambda g, w, c: _f32)
-        self.bwd_w = _op("gmm_tn", lambda g, x, c: [c[0], g[1], x[1]], lambda g, x, c: _f32)
+        self.bwd_w = _op("gmm_tn", lambda g, x, c: [c[-1], g[1], x[1]], lambda g, x, c: _f32)
 
     def construct(self, x, w, counts):
         return self.fwd(x, w, counts)

@@ -10,6 +10,10 @@
 //   gmm_tn  dw [E, N, K]: dw_e = dy_e^T @ x_e  (the weight's gradient; 0 for an idle expert)
 // counts [E] int32 say where each expert's rows start; no buffer is padded per expert and
 // no expert's weights are copied per block of rows (the portable dispatch does both).
+// Counts [R, E] say, under expert parallelism, how many of expert e's rows came from each
+// of the R ranks (in rank order): gmm_tn then sums each rank's rows on their own and adds
+// the R sums in order, as a one-process run adds its micro-batches' gradients, so an ep
+// run's expert gradients round as the one-process run's do.
 //
 // One packed GEMM serves all three (Goto/BLIS's scheme, one level): C [M, N] = A [M, K] B
 // [K, N] with A and B read through strides, so a transposed operand is just other strides.
@@ -42,6 +46,11 @@ struct Gemm {
   int64_t bks, bns;
   float *c;
   int64_t ldc, m, n, k;
+  // depths where a new slice must start besides every KC (increasing, in (0, k)); each
+  // slice's sum is added to C in order, so a reduction split at these points rounds as
+  // separate reductions added one after another would (see mindloom_gmm_tn)
+  const int64_t *breaks = nullptr;
+  int64_t nbreaks = 0;
 };
 
 struct Task {
@@ -189,8 +198,10 @@ __attribute__((always_inline)) inline void gmm_body(const GmmJob &job) {
       for (int64_t i = 0; i < mt; ++i) std::fill(ct + i * g.ldc, ct + i * g.ldc + nc, 0.f);
       continue;
     }
-    for (int64_t p0 = 0; p0 < g.k; p0 += KC) {
-      const int64_t kc = std::min(KC, g.k - p0);
+    int64_t nb = 0;  // the next break
+    for (int64_t p0 = 0, kc = 0; p0 < g.k; p0 += kc) {
+      while (nb < g.nbreaks && g.breaks[nb] <= p0) ++nb;
+      kc = std::min(KC, (nb < g.nbreaks ? g.breaks[nb] : g.k) - p0);
       pack_b<NR>(g, task.n0, nc, p0, kc, bp);
       for (int64_t m0 = 0; m0 < mt; m0 += MC) {
         const int64_t mc = std::min(MC, mt - m0);
@@ -242,31 +253,40 @@ void run_gemms(const std::vector<Gemm> &gemms) {
   Pool::get().run([&](int, int) { body(job); });
 }
 
-// Each expert's first row from counts [E] (non-negative, summing to at most rows); false
-// for counts that do not fit, which makes the op raise.
-bool expert_offsets(const int32_t *counts, int64_t e, int64_t rows, std::vector<int64_t> *off) {
+// Each expert's first row from counts [E] or [R, E] (the rows of expert e that came from
+// each of R sources, in source order within the expert: expert parallel's ranks), all
+// non-negative and summing to at most `rows`; false otherwise, which makes the op raise.
+bool expert_offsets(const int32_t *counts, int nd, const int64_t *shape, int64_t rows,
+                    std::vector<int64_t> *off) {
+  if (nd != 1 && nd != 2) return false;
+  const int64_t r = nd == 2 ? shape[0] : 1, e = shape[nd - 1];
   off->assign(e + 1, 0);
   for (int64_t i = 0; i < e; ++i) {
-    if (counts[i] < 0) return false;
-    (*off)[i + 1] = (*off)[i] + counts[i];
+    int64_t n = 0;
+    for (int64_t j = 0; j < r; ++j) {
+      if (counts[j * e + i] < 0) return false;
+      n += counts[j * e + i];
+    }
+    (*off)[i + 1] = (*off)[i] + n;
   }
   return (*off)[e] <= rows;
 }
 
 }  // namespace
 
-// x [P, K], w [E, N, K], counts [E] int32 -> y [P, N]: y rows of expert e = x rows @ w_e^T;
+// x [P, K], w [E, N, K], counts [E] or [R, E] int32 -> y [P, N]: y rows of expert e = x rows @ w_e^T;
 // rows past the experts' are zero
 EXPORT int mindloom_gmm_nt(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1) return 1;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3) return 1;
   const int64_t p = shapes[0][0], k = shapes[0][1], e = shapes[1][0], n = shapes[1][1];
-  if (shapes[1][2] != k || shapes[2][0] != e) return 1;
+  if (shapes[1][2] != k || shapes[2][ndims[2] - 1] != e) return 1;
   const auto *x = static_cast<const float *>(params[0]);
   const auto *w = static_cast<const float *>(params[1]);
   auto *y = static_cast<float *>(params[3]);
   std::vector<int64_t> off;
-  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), ndims[2], shapes[2], p, &off))
+    return 2;
   std::vector<Gemm> gemms;
   for (int64_t i = 0; i < e; ++i)
     if (off[i + 1] > off[i])
@@ -280,14 +300,15 @@ EXPORT int mindloom_gmm_nt(int nparam, void **params, int *ndims, int64_t **shap
 // dy [P, N], w [E, N, K], counts [E] -> dx [P, K]: dx rows of expert e = dy rows @ w_e
 EXPORT int mindloom_gmm_nn(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3 || ndims[2] != 1) return 1;
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3) return 1;
   const int64_t p = shapes[0][0], n = shapes[0][1], e = shapes[1][0], k = shapes[1][2];
-  if (shapes[1][1] != n || shapes[2][0] != e) return 1;
+  if (shapes[1][1] != n || shapes[2][ndims[2] - 1] != e) return 1;
   const auto *dy = static_cast<const float *>(params[0]);
   const auto *w = static_cast<const float *>(params[1]);
   auto *dx = static_cast<float *>(params[3]);
   std::vector<int64_t> off;
-  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), ndims[2], shapes[2], p, &off))
+    return 2;
   std::vector<Gemm> gemms;
   for (int64_t i = 0; i < e; ++i)
     if (off[i + 1] > off[i])
@@ -298,22 +319,38 @@ EXPORT int mindloom_gmm_nn(int nparam, void **params, int *ndims, int64_t **shap
   return 0;
 }
 
-// dy [P, N], x [P, K], counts [E] -> dw [E, N, K]: dw_e = dy rows^T @ x rows of expert e
-// (zeros for an expert with no rows)
+// dy [P, N], x [P, K], counts [E] or [R, E] -> dw [E, N, K]: dw_e = dy rows^T @ x rows
+// of expert e (zeros for an expert with no rows)
 EXPORT int mindloom_gmm_tn(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] != 1) return 1;
-  const int64_t p = shapes[0][0], n = shapes[0][1], k = shapes[1][1], e = shapes[2][0];
+  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 2 || ndims[2] < 1) return 1;
+  const int64_t p = shapes[0][0], n = shapes[0][1], k = shapes[1][1];
+  const int64_t e = shapes[2][ndims[2] - 1], r = ndims[2] == 2 ? shapes[2][0] : 1;
   if (shapes[1][0] != p) return 1;
   const auto *dy = static_cast<const float *>(params[0]);
   const auto *x = static_cast<const float *>(params[1]);
   auto *dw = static_cast<float *>(params[3]);
   std::vector<int64_t> off;
-  if (!expert_offsets(static_cast<const int32_t *>(params[2]), e, p, &off)) return 2;
+  if (!expert_offsets(static_cast<const int32_t *>(params[2]), ndims[2], shapes[2], p, &off))
+    return 2;
+  // with [R, E] counts each source's rows are a reduction of their own, added in source
+  // order: the sum a one-process run forms when those rows were its R micro-batches
+  const auto *cnt = static_cast<const int32_t *>(params[2]);
+  std::vector<int64_t> breaks;
+  breaks.reserve(e * r);
   std::vector<Gemm> gemms;
-  for (int64_t i = 0; i < e; ++i)
-    gemms.push_back({dy + off[i] * n, 1, n, x + off[i] * k, k, 1, dw + i * n * k, k, n, k,
-                     off[i + 1] - off[i]});
+  for (int64_t i = 0; i < e; ++i) {
+    Gemm g{dy + off[i] * n, 1, n, x + off[i] * k, k, 1, dw + i * n * k, k, n, k, off[i + 1] - off[i]};
+    g.breaks = breaks.data() + breaks.size();
+    for (int64_t j = 0, at = 0; j + 1 < r; ++j) {
+      at += cnt[j * e + i];
+      if (at > 0 && at < g.k && (g.nbreaks == 0 || g.breaks[g.nbreaks - 1] < at)) {
+        breaks.push_back(at);
+        ++g.nbreaks;
+      }
+    }
+    gemms.push_back(g);
+  }
   run_gemms(gemms);
   return 0;
 }
