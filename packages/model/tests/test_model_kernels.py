@@ -514,6 +514,32 @@ def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
         np.testing.assert_array_equal(by_rank, by_expert)
 
 
+@pytest.mark.parametrize("e,g,tg,k", [(16, 4, 2, 2), (8, 1, 1, 3), (64, 8, 3, 6), (6, 3, 3, 1)])
+def test_route_kernel_against_the_numpy_routing(e, g, tg, k):
+    """KernelRoute's group-limited top-k against mindloom_model's NumPy routing
+    (moe_route_reference, stable sorts): logits from 4 values, so rows are full of exact
+    ties (among experts and among group scores), which both break to the lower index;
+    plus a random bias. Plant: the group score from the best expert only (see the model
+    README)."""
+    from types import SimpleNamespace
+
+    from mindloom_model import moe_route_reference
+
+    data = np.random.default_rng(e + k)
+    n = 300
+    logits = data.integers(-1, 3, (n, e)).astype(np.float32)
+    for bias in (np.zeros(e, np.float32), (data.random(e) * 0.3).astype(np.float32)):
+        cfg = SimpleNamespace(n_group=g, topk_group=tg, num_experts_per_tok=k,
+                              norm_topk_prob=True, routed_scaling_factor=1.0)  # fmt: skip
+        want, _, _ = moe_route_reference(logits, np.eye(e, dtype=np.float32), bias, cfg)
+        choice = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) + bias
+        got = K.KernelRoute(k, g, tg)(Tensor(choice.astype(np.float32))).asnumpy()
+        np.testing.assert_array_equal(np.sort(got, 1), want)
+        # descending order of choice within a row (the portable TopK's order)
+        picked = np.take_along_axis(choice.astype(np.float32), got, 1)
+        assert (np.diff(picked, axis=1) <= 0).all()
+
+
 def test_grouped_matmul_cell_gradients_against_numpy():
     # the Cell's bprop wiring: MindSpore's gradients of sum(y * g) for x and w
     counts = np.array([3, 0, 6, 2], np.int32)
@@ -701,7 +727,7 @@ class _DeepseekStep(nn.Cell):
 
 def deepseek_losses(kernels: str, steps: int = 3):
     from mindloom_model import DeepseekV3, DeepseekV3WithLoss
-    from mindloom_model._deepseek_moe import Experts
+    from mindloom_model._deepseek_moe import Experts, Router
 
     # one dense layer and one MTP depth (a MoE block): every kernel site, fewest ops
     cfg = get_preset("deepseek-v3-debug", num_layers=1, kernels=kernels)
@@ -716,6 +742,7 @@ def deepseek_losses(kernels: str, steps: int = 3):
              mtp.block.attn.kernel]  # fmt: skip
     sites += [x for _, c in model.cells_and_names() if isinstance(c, Experts)
               for x in (c.kernel, c.grouped)]  # fmt: skip
+    sites += [c.select for _, c in model.cells_and_names() if isinstance(c, Router)]
     assert all((x is not None) == fused for x in sites) and model.kernel_attention == fused
     opt = nn.AdamWeightDecay(model.trainable_params(), learning_rate=3e-3)
     step = _DeepseekStep(DeepseekV3WithLoss(model), opt)

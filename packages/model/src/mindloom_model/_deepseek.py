@@ -284,6 +284,8 @@ def _install_kernels(model: DeepseekV3) -> None:
             cell.kernel = _kernels.KernelSwiGLU()
             if isinstance(cell, Experts):
                 cell.grouped = _kernels.KernelGroupedMatMul()
+        elif isinstance(cell, Router):
+            cell.select = _kernels.KernelRoute(cell.k, cell.n_group, cell.topk_group)
         elif isinstance(cell, MLAttention) and model.config.dropout == 0:
             cell.kernel = _kernels.KernelRopeAttention(cell.scale)
             model.kernel_attention = True

@@ -59,11 +59,23 @@ class Router(nn.Cell):
         self.norm_topk = cfg.norm_topk_prob
         self.scaling = float(cfg.routed_scaling_factor)
         self.matmul = ops.MatMul(transpose_b=True)
+        self.select = None  # a _kernels.KernelRoute, set by the model's _install_kernels
 
     def construct(self, x):
         n = x.shape[0]
         scores = ops.sigmoid(self.matmul(x.astype(ms.float32), self.weight))  # [N, E]
         choice = ops.stop_gradient(scores) + self.expert_bias
+        if self.select is not None:
+            idx = ops.stop_gradient(self.select(choice))  # [N, k]
+        else:
+            idx = self._select(choice, n)
+        w = ops.gather_elements(scores, 1, idx)  # [N, k], the unbiased affinities
+        if self.norm_topk:
+            w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        return idx, w * self.scaling, scores
+
+    def _select(self, choice, n: int):
+        # the portable selection: [N, E] -> [N, k] ids (KernelRoute does it in one call)
         if self.n_group > 1:
             per = self.e // self.n_group
             grouped = choice.reshape(n, self.n_group, per)
@@ -76,11 +88,7 @@ class Router(nn.Cell):
             gmask = gmask.sum(1)  # [N, G], 1 for kept groups
             emask = gmask.expand_dims(-1).broadcast_to((n, self.n_group, per)).reshape(n, self.e)
             choice = ops.select(emask > 0, choice, ops.full_like(choice, -1e30))
-        _, idx = ops.topk(choice, self.k)  # [N, k]
-        w = ops.gather_elements(scores, 1, idx)  # [N, k], the unbiased affinities
-        if self.norm_topk:
-            w = w / (w.sum(-1, keepdims=True) + 1e-20)
-        return idx, w * self.scaling, scores
+        return ops.topk(choice, self.k)[1]  # [N, k]
 
 
 class _RowsByOneHot(nn.Cell):

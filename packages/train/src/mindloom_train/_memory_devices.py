@@ -56,8 +56,11 @@ COMPILE_CPU_FIXED = 174 * MiB
 COMPILE_CPU_PER_LAYER = 50 * MiB
 # the same with the fused CPU kernels (a layer is ~30% fewer ops), fit together with
 # _memory_activations.cpu_kernel_graph_intermediates on the 17m width with 2 and 12 layers
-# (batch 8 x 256), not on the 6-layer runs the tests compare against
-COMPILE_CPU_KERNELS_FIXED = 115 * MiB
+# (batch 8 x 256), not on the 6-layer runs the tests compare against; the fixed part then
+# raised from 115 to 175 MiB by the debug width's runs, where it is most of the peak (2
+# layers, batch 8 x 32: one process 598 MiB, dp2 under msrun 732, dp2 + ZeRO-1 768, against
+# 540 / 600 / 599 estimated with 115; session 22): the 17m runs stay within 3-11%
+COMPILE_CPU_KERNELS_FIXED = 175 * MiB
 COMPILE_CPU_KERNELS_PER_LAYER = 6 * MiB
 RUNTIME_GPU_BYTES = 0  # inside the usable share
 FRAGMENTATION_SHARE = 0.10  # of everything the run allocates (allocator pools, alignment)

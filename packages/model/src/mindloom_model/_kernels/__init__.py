@@ -33,6 +33,7 @@ __all__ = [
     "KernelRopeAttention",
     "KernelSquareSums",
     "KernelGroupedMatMul",
+    "KernelRoute",
     "square_sums_kernel",
 ]
 
@@ -231,3 +232,23 @@ class KernelGroupedMatMul(nn.Cell):
 
     def bprop(self, x, w, counts, out, dout):
         return self.bwd_x(dout, w, counts), self.bwd_w(dout, x, counts), ops.zeros_like(counts)
+
+
+class KernelRoute(nn.Cell):
+    """DeepSeek-V3's selection: choice [N, E] fp32 (the affinities plus the balancing bias,
+    no gradient) -> ids [N, k] int32, the k experts of the topk_group best of n_group
+    groups (each scored by its two best experts), in descending order of choice, ties to
+    the lower index. One call for what the portable router runs as three TopKs and a
+    dozen mask ops."""
+
+    def __init__(self, k: int, n_group: int, topk_group: int):
+        super().__init__()
+        self.k = int(k)
+        self.spec = Tensor(np.array([n_group, topk_group], np.int32))
+        self.op = _op("moe_route", lambda c, s: [c[0], self.k], lambda c, s: ms.int32)
+
+    def construct(self, choice):
+        return self.op(choice, self.spec)
+
+    def bprop(self, choice, out, dout):
+        return (ops.zeros_like(choice),)

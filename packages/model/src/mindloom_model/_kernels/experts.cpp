@@ -354,3 +354,71 @@ EXPORT int mindloom_gmm_tn(int nparam, void **params, int *ndims, int64_t **shap
   run_gemms(gemms);
   return 0;
 }
+
+// ------------------------------------------------------------------------ routing
+
+namespace {
+
+// One row of DeepSeek-V3's group-limited top-k on choice = scores + bias [E]: groups of
+// E / G experts scored by the sum of their two best, the best tg groups kept, the k best
+// experts of those chosen; out [k] in descending order of choice, ties to the lower
+// index (a stable sort's order, as the portable path's TopK and the NumPy reference).
+void route_row(const float *choice, int64_t e, int64_t g, int64_t tg, int64_t k,
+               int32_t *out, std::vector<float> *gscore, std::vector<char> *keep) {
+  const int64_t per = e / g;
+  keep->assign(e, 1);
+  if (g > 1) {
+    gscore->resize(g);
+    for (int64_t i = 0; i < g; ++i) {
+      float a = -INFINITY, b = -INFINITY;  // the group's best two
+      for (int64_t j = i * per; j < (i + 1) * per; ++j) {
+        const float v = choice[j];
+        if (v > a) {
+          b = a;
+          a = v;
+        } else if (v > b) {
+          b = v;
+        }
+      }
+      (*gscore)[i] = per > 1 ? a + b : a;
+    }
+    std::vector<char> chosen(g, 0);
+    for (int64_t t = 0; t < tg; ++t) {
+      int64_t best = -1;
+      for (int64_t i = 0; i < g; ++i)
+        if (!chosen[i] && (best < 0 || (*gscore)[i] > (*gscore)[best])) best = i;
+      chosen[best] = 1;
+    }
+    for (int64_t j = 0; j < e; ++j) (*keep)[j] = chosen[j / per];
+  }
+  for (int64_t t = 0; t < k; ++t) {
+    int64_t best = -1;
+    for (int64_t j = 0; j < e; ++j)
+      if ((*keep)[j] && (best < 0 || choice[j] > choice[best])) best = j;
+    out[t] = static_cast<int32_t>(best);
+    (*keep)[best] = 0;
+  }
+}
+
+}  // namespace
+
+// choice [N, E] fp32, groups [2] int32 (n_group, topk_group) -> ids [N, k] int32: each
+// row's experts by DeepSeek-V3's group-limited top-k (route_row)
+EXPORT int mindloom_moe_route(int nparam, void **params, int *ndims, int64_t **shapes,
+                              const char **, void *, void *) {
+  if (nparam != 3 || ndims[0] != 2 || ndims[1] != 1 || shapes[1][0] != 2 || ndims[2] != 2)
+    return 1;
+  const int64_t n = shapes[0][0], e = shapes[0][1], k = shapes[2][1];
+  const auto *spec = static_cast<const int32_t *>(params[1]);
+  const int64_t g = spec[0], tg = spec[1];
+  if (shapes[2][0] != n || g < 1 || e % g || tg < 1 || tg > g || k < 1 || k > tg * (e / g))
+    return 1;
+  const auto *choice = static_cast<const float *>(params[0]);
+  auto *ids = static_cast<int32_t *>(params[2]);
+  parallel_rows(n, [&](int64_t lo, int64_t hi) {
+    std::vector<float> gscore;
+    std::vector<char> keep;
+    for (int64_t r = lo; r < hi; ++r) route_row(choice + r * e, e, g, tg, k, ids + r * k, &gscore, &keep);
+  });
+  return 0;
+}
