@@ -241,7 +241,11 @@ def test_a_learning_rate_of_1e7_and_injected_faults_raise_flat_loss_grad_norm_an
     waits = [s for s, r in recs.items() if r["data_wait_frac"] > 0.1]
     assert {9, 10, 11} <= set(waits)
     after = [recs[s]["data_wait_frac"] for s in recs if s > 16]
-    assert sum(after) / len(after) < 0.1, after  # the fault's wait is over
+    # the fault's wait is over: the later records wait far less than the faulted ones
+    # (not an absolute bound: on a loaded 2-core machine the loader's producer shares the
+    # cores with the step, and CI58 saw 0.12 on average after the fault)
+    faulted = min(recs[s]["data_wait_frac"] for s in (9, 10, 11))
+    assert sum(after) / len(after) < 0.25 * faulted, (after, faulted)
     log = (tmp_path / "train.log").read_text()
     for rule, step in got:
         assert f"health: step {step} {rule}: " in log
