@@ -233,3 +233,56 @@ def attention(q, k, v, bias, n_rep: int, dropout=None, scale=None, dropout_key=N
         # without a key, any dropout cell (DeepSeek's nn.Dropout too) is called as before
         probs = dropout(probs) if dropout_key is None else dropout(probs, dropout_key)
     return ops.BatchMatMul()(probs, v)  # [B, H, S, Dh]
+
+
+# ----------------------------------------------------------------------------- MoE dispatch
+# (the portable blocks dispatch of _deepseek_moe.MoE)
+
+
+class _RowsByOneHot(nn.Cell):
+    """(onehot [nb, E] 0/1 fp32, table [E, ...]) -> table[argmax(onehot)] [nb, ...] as one
+    matmul, and its backward (the rows' gradients summed per expert) as one matmul too:
+    MindSpore's CPU Gather backward (a scatter-add of [nb, Fm, D] blocks) is slower than a
+    [E, nb] @ [nb, Fm*D] product. Exact forward: each row is 1 * its expert's weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.mm = ops.MatMul()
+        self.mm_ta = ops.MatMul(transpose_a=True)
+
+    def construct(self, onehot, table):
+        e = table.shape[0]
+        flat = table.reshape(e, -1)
+        return self.mm(onehot.astype(flat.dtype), flat).reshape(
+            (onehot.shape[0],) + table.shape[1:]
+        )
+
+    def bprop(self, onehot, table, out, dout):
+        nb = onehot.shape[0]
+        g = self.mm_ta(onehot.astype(dout.dtype), dout.reshape(nb, -1))  # [E, Fm*D]
+        return ops.zeros_like(onehot), g.reshape(table.shape).astype(table.dtype)
+
+
+class _ScatterRows(nn.Cell):
+    """(x [P, D], ids [P] int32 in [0, n), like [n, ...]) -> out [n, D], out[i] = the sum of
+    the rows with id i (a segment sum), with the backward written as the gather it is:
+    MindSpore's generic UnsortedSegmentSum gradient also masks out-of-range ids
+    (LogicalAnd + Select over [P, D]), which these ids never are."""
+
+    def construct(self, x, ids, like):
+        return ops.unsorted_segment_sum(x, ids, like.shape[0])
+
+    def bprop(self, x, ids, like, out, dout):
+        return ops.gather(dout, ids, 0), ops.zeros_like(ids), ops.zeros_like(like)
+
+
+class _ScaleRows(nn.Cell):
+    """x [P, D] * r [P, 1] with r's gradient (a sum over D) written as a matmul against
+    ones: the CPU ReduceSum is several times slower (see _ScaleRowsCols above)."""
+
+    def construct(self, x, r):
+        return x * r
+
+    def bprop(self, x, r, out, dout):
+        dr = ops.matmul(dout * x, ops.ones((x.shape[1], 1), x.dtype))
+        return dout * r, dr.astype(r.dtype)

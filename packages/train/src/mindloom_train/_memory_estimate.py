@@ -291,6 +291,13 @@ def _recomputed_layers(mcfg) -> set:
     return set()
 
 
+def _kernel_graph(mcfg, cdt: str, cpu_graph: bool) -> bool:
+    """The compiled CPU step runs the fused kernels (use_cpu_kernels; measured for Llama)."""
+    return (cpu_graph and mcfg.family == "llama" and mcfg.kernels == "auto"
+            and cdt == "float32" and mcfg.param_dtype == "float32"
+            and cpu_kernels_buildable())  # fmt: skip
+
+
 def _default_runtime_bytes(is_cpu: bool, world: int) -> int:
     """The framework's own resident memory: the CPU process (more under msrun) or a device's."""
     if not is_cpu:
@@ -346,11 +353,7 @@ def estimate(
     # (with its recomputed forward); each holds the stage's layers in the graph compiler
     # (pp2 debug: peaks 577 and 593 MiB against 569 estimated, 469 without this term)
     pp_graphs = is_cpu and lay.engine and lay.pp > 1 and cfg.context.mode == "graph"
-    # the fused CPU kernels (mindloom_model's use_cpu_kernels: auto, fp32 compute and
-    # parameters, the library built or a compiler to build it), measured for Llama only
-    kernels = (cpu_graph and mcfg.family == "llama" and mcfg.kernels == "auto"
-               and cdt == "float32" and mcfg.param_dtype == "float32"
-               and cpu_kernels_buildable())  # fmt: skip
+    kernels = _kernel_graph(mcfg, cdt, cpu_graph)
     acts = _Activations(mcfg, lay, b, s, c, inv_dense, inv_moe, frozenset(recomputed), cpu_graph,
                         kernels)  # fmt: skip
     stage_act, stage_tot, comps_by_stage = [], [], []
