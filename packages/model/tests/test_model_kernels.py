@@ -1,6 +1,8 @@
 """The fused CPU kernels against NumPy (forward), torch autograd (gradients) and the
 portable ops (forward, gradients, and a whole model's losses over 20 training steps)."""
 
+import ctypes
+import inspect
 import logging
 import os
 import shutil
@@ -274,21 +276,28 @@ def test_rope_attention_forward_and_gradients_against_numpy(b, s, h, kv, dh, tab
 # The attention kernel called through ctypes (MindSpore's AOT signature) in a child
 # process with $MINDLOOM_KERNEL_ISA set: the library picks its AVX-512 / AVX2 / baseline
 # build once per process, so each build needs a process of its own (NumPy only: fast).
-_ISA_CHILD = """
-import ctypes, sys
-import numpy as np
-lib = ctypes.CDLL(sys.argv[1])
-d = np.load(sys.argv[2])
-
-def call(name, arrays):
+def aot_call(lib, name, arrays):
+    """One of the library's entry points called with MindSpore's AOT signature (inputs,
+    then outputs) -> its return code."""
     n = len(arrays)
     shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
-    rc = getattr(lib, name)(
+    return getattr(lib, name)(
         n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
         (ctypes.c_int * n)(*[a.ndim for a in arrays]),
-        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)
-    assert rc == 0, name
+        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)  # fmt: skip
 
+
+# what every child script starts with: the library (argv[1]), its inputs (argv[2]), aot_call
+_CHILD_PRELUDE = (
+    "import ctypes, sys\nimport numpy as np\n"
+    + inspect.getsource(aot_call)
+    + "lib = ctypes.CDLL(sys.argv[1])\nd = np.load(sys.argv[2])\n\n"
+    "def call(name, arrays):\n    assert aot_call(lib, name, arrays) == 0, name\n\n"
+)
+
+_ISA_CHILD = (
+    _CHILD_PRELUDE
+    + """
 q, k, v, seg, scale, g = (d[x] for x in ("q", "k", "v", "seg", "scale", "g"))
 b, s, h, _ = q.shape
 o = np.zeros((b, s, h, v.shape[3]), np.float32)
@@ -304,6 +313,7 @@ rdq, rdk, rdv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
 call("mindloom_attn_rope_bwd", [q, k, v, seg, scale, cos, sin, ro, rlse, g, rdq, rdk, rdv])
 np.savez(sys.argv[3], o=o, dq=dq, dk=dk, dv=dv, ro=ro, rdq=rdq, rdk=rdk, rdv=rdv)
 """
+)
 
 
 def numpy_rope(x, cos, sin):
@@ -386,32 +396,22 @@ def test_attention_tiles_documents_and_every_instruction_set_against_numpy(tmp_p
 
 # ----------------------------------------------------------------------------- MoE experts
 
-_GMM_CHILD = """
-import ctypes, sys
-import numpy as np
-lib = ctypes.CDLL(sys.argv[1])
-d = np.load(sys.argv[2])
-
-def call(name, arrays):
-    n = len(arrays)
-    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
-    return getattr(lib, name)(
-        n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
-        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
-        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)
-
+_GMM_CHILD = (
+    _CHILD_PRELUDE
+    + """
 x, w, dy, counts = d["x"], d["w"], d["dy"], d["counts"]
 y = np.full((x.shape[0], w.shape[1]), np.nan, np.float32)  # every element must be written
 dx = np.full(x.shape, np.nan, np.float32)
 dw = np.full(w.shape, np.nan, np.float32)
-assert call("mindloom_gmm_nt", [x, w, counts, y]) == 0
-assert call("mindloom_gmm_nn", [dy, w, counts, dx]) == 0
-assert call("mindloom_gmm_tn", [dy, x, counts, dw]) == 0
+call("mindloom_gmm_nt", [x, w, counts, y])
+call("mindloom_gmm_nn", [dy, w, counts, dx])
+call("mindloom_gmm_tn", [dy, x, counts, dw])
 bad = counts.copy()
 bad[0] += x.shape[0] - counts.sum() + 1  # one row more than x has
-refused = call("mindloom_gmm_nt", [x, w, bad, np.zeros_like(y)]) != 0
+refused = aot_call(lib, "mindloom_gmm_nt", [x, w, bad, np.zeros_like(y)]) != 0
 np.savez(sys.argv[3], y=y, dx=dx, dw=dw, refused=refused)
 """
+)
 
 
 def numpy_grouped(x, w, counts, dy):
@@ -463,17 +463,6 @@ def test_grouped_expert_products_every_instruction_set_against_numpy(tmp_path):
         assert bool(got["refused"]), isa
 
 
-def _ctypes_call(lib, name, arrays):
-    import ctypes
-
-    n = len(arrays)
-    shapes = [(ctypes.c_int64 * a.ndim)(*a.shape) for a in arrays]
-    return getattr(lib, name)(
-        n, (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays]),
-        (ctypes.c_int * n)(*[a.ndim for a in arrays]),
-        (ctypes.POINTER(ctypes.c_int64) * n)(*shapes), None, None, None)  # fmt: skip
-
-
 def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
     """Counts [R, E] (expert parallel: each expert's rows per source rank): the weight
     gradient is bit for bit each rank's rows' gradient (a call with [E] counts, as one
@@ -481,8 +470,6 @@ def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
     slice (an expert with 300 rows from rank 0); y and dx are the [E] counts' ones.
     Plant: the breaks ignored (one reduction over both ranks' rows): dw differs in the
     last bits."""
-    import ctypes
-
     lib = ctypes.CDLL(str(K.library_path()))
     data = np.random.default_rng(5)
     per_rank = np.array([[3, 0, 300, 20], [0, 7, 41, 20]], np.int32)  # [R, E]
@@ -492,7 +479,7 @@ def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
     want = np.zeros((e, n, k), np.float32)
     for x, g, c in zip(parts, grads_, per_rank):
         dw = np.zeros((e, n, k), np.float32)
-        assert _ctypes_call(lib, "mindloom_gmm_tn", [g, x, c, dw]) == 0
+        assert aot_call(lib, "mindloom_gmm_tn", [g, x, c, dw]) == 0
         want = want + dw  # fp32, rank by rank
     # the ranks' rows merged expert by expert, rank order within each expert
     off = [np.concatenate([[0], np.cumsum(c)]) for c in per_rank]
@@ -500,7 +487,7 @@ def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
     x = np.concatenate([parts[r][off[r][i] : off[r][i + 1]] for r, i in order])
     g = np.concatenate([grads_[r][off[r][i] : off[r][i + 1]] for r, i in order])
     got = np.zeros((e, n, k), np.float32)
-    assert _ctypes_call(lib, "mindloom_gmm_tn", [g, x, per_rank, got]) == 0
+    assert aot_call(lib, "mindloom_gmm_tn", [g, x, per_rank, got]) == 0
     np.testing.assert_array_equal(got, want)
     flat = per_rank.sum(0).astype(np.int32)
     w = data.standard_normal((e, n, k)).astype(np.float32)
@@ -509,8 +496,8 @@ def test_grouped_weight_gradient_per_rank_rounds_as_micro_batches_added():
         ("mindloom_gmm_nn", g, (len(x), k)),
     ):
         by_rank, by_expert = np.zeros(out_shape, np.float32), np.zeros(out_shape, np.float32)
-        assert _ctypes_call(lib, name, [a, w, per_rank, by_rank]) == 0
-        assert _ctypes_call(lib, name, [a, w, flat, by_expert]) == 0
+        assert aot_call(lib, name, [a, w, per_rank, by_rank]) == 0
+        assert aot_call(lib, name, [a, w, flat, by_expert]) == 0
         np.testing.assert_array_equal(by_rank, by_expert)
 
 
@@ -636,14 +623,8 @@ def test_the_kernel_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
 
 def _ctypes_swiglu(lib, a, b):
     """The library's SwiGLU forward called directly (MindSpore's AOT signature)."""
-    import ctypes
-
     y = np.empty_like(a)
-    ptrs = (ctypes.c_void_p * 3)(a.ctypes.data, b.ctypes.data, y.ctypes.data)
-    shape = (ctypes.c_int64 * 1)(a.size)
-    shapes = (ctypes.POINTER(ctypes.c_int64) * 3)(shape, shape, shape)
-    assert lib.mindloom_swiglu_fwd(3, ptrs, (ctypes.c_int * 3)(1, 1, 1), shapes, None, None,
-                                   None) == 0  # fmt: skip
+    assert aot_call(lib, "mindloom_swiglu_fwd", [a, b, y]) == 0
     return y
 
 
@@ -654,7 +635,6 @@ def test_the_thread_pool_serves_concurrent_callers_and_a_forked_child():
     get NumPy's values. Plant: the atfork reset removed -> the child hangs (killed after
     60 s, fails); the try-lock replaced by a plain second caller entering the pool ->
     wrong values or a hang."""
-    import ctypes
     import threading
 
     lib = ctypes.CDLL(str(K.library_path()))

@@ -223,7 +223,7 @@ class MoE(ExpertParallelMoE, nn.Cell):
         # rank of a slot among its expert's slots, in slot order (exclusive cumsum)
         rank = ops.matmul((ops.cumsum(oh, 0) - oh) * oh, ones_e).reshape(-1)  # [S]
         counts = ops.matmul(ops.ones((1, slots), ms.float32), oh).reshape(-1)  # [E]
-        padded = ops.ceil(counts / t) * t
+        padded = counts if grouped else ops.ceil(counts / t) * t
         ends = ops.cumsum(padded, 0)  # [E]
         starts = ends - padded
         dest = ops.matmul(oh * starts, ones_e).reshape(-1) + rank

@@ -1,5 +1,5 @@
-"""Fused CPU kernels (kernels.cpp, attention.cpp, experts.cpp, kernels.h) as MindSpore AOT custom operators,
-each with its bprop.
+"""Fused CPU kernels (kernels.cpp, attention.cpp, experts.cpp, kernels.h) as MindSpore AOT
+custom operators, each with its bprop.
 
 The C++ source ships in the package and is compiled on first use into the user's cache,
 `$MINDLOOM_CACHE_DIR` or `$XDG_CACHE_HOME/mindloom` or `~/.cache/mindloom`, under
@@ -217,9 +217,10 @@ class KernelGroupedMatMul(nn.Cell):
     summed) belong to expert e and y's rows are x's @ w[e].T; rows past the last expert's
     are zero. Counts [R, E] (expert parallel: expert e's rows per source rank, in rank
     order) make w's gradient sum each rank's rows apart and add the R sums in order, the
-    rounding of a one-process run that adds its micro-batches' gradients. One call for all experts, each expert's rows an ordinary product with its
-    weight: no row padded per expert, no weight copied per block (the portable blocks
-    dispatch's costs). Counts that are negative or sum past P make the op raise."""
+    rounding of a one-process run that adds its micro-batches' gradients. One call for
+    all experts, each expert's rows an ordinary product with its weight: no row padded per
+    expert, no weight copied per block (the portable blocks dispatch's costs). Counts that
+    are negative or sum past P make the op raise."""
 
     def __init__(self):
         super().__init__()

@@ -389,14 +389,8 @@ using AttnFn = void (*)(const AttnArgs &);
   __attribute__((target("avx2,fma"))) void name##_avx2(const AttnArgs &c) { name##_body(c); } \
   void name##_base(const AttnArgs &c) { name##_body(c); }                                    \
   AttnFn pick_##name() {                                                                     \
-    __builtin_cpu_init();                                                                    \
-    const char *want = std::getenv("MINDLOOM_KERNEL_ISA");                                   \
-    const std::string w = want != nullptr ? want : "";                                       \
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl"); \
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");       \
-    if (avx512 && (w.empty() || w == "avx512")) return name##_avx512;                        \
-    if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return name##_avx2;             \
-    return name##_base;                                                                      \
+    const Isa isa = best_isa();                                                              \
+    return isa == Isa::avx512 ? name##_avx512 : isa == Isa::avx2 ? name##_avx2 : name##_base; \
   }
 #else
 #define MINDLOOM_VARIANTS(name)                          \

@@ -17,16 +17,13 @@
 //
 // One packed GEMM serves all three (Goto/BLIS's scheme, one level): C [M, N] = A [M, K] B
 // [K, N] with A and B read through strides, so a transposed operand is just other strides.
-// A task is a block of MC rows x NC columns of one expert's C; per KC-deep slice it copies
-// its B block into NR-wide column panels and its A block into MR-tall row panels (zero
-// padded: the register tile needs no edge cases), then runs the MR x NR register tile over
-// every pair of panels. Tasks are taken from an atomic counter by the pool's threads.
+// A task is a block of up to MT rows x NC columns of one expert's C; per KC-deep slice it
+// copies its B block into NR-wide column panels once, and its rows in MC-row A blocks into
+// MR-tall row panels (zero padded: the register tile needs no edge cases), then runs the
+// MR x NR register tile over every pair of panels. Tasks are taken from an atomic counter
+// by the pool's threads.
 
 #include "kernels.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -64,9 +61,8 @@ struct GmmJob {
   std::atomic<int64_t> *next;
 };
 
-// *p in every lane: for AVX-512 a broadcast load (a load-unit op; broadcasting from a
-// register instead takes a shuffle from the FMA pipes: ~74 against ~87 GFLOP/s on one
-// Zen 4 core)
+// *p in every lane: for AVX-512 a broadcast load (GCC otherwise loads the float and then
+// broadcasts it from a register, one more instruction per row of the tile)
 typedef float v16 __attribute__((vector_size(64)));
 
 template <class V>
@@ -228,14 +224,8 @@ __attribute__((target("avx512f,avx512vl,avx2,fma"))) void gmm_avx512(const GmmJo
 __attribute__((target("avx2,fma"))) void gmm_avx2(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
 void gmm_base(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
 GmmFn pick_gmm() {
-  __builtin_cpu_init();
-  const char *want = std::getenv("MINDLOOM_KERNEL_ISA");
-  const std::string w = want != nullptr ? want : "";
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && (w.empty() || w == "avx512")) return gmm_avx512;
-  if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return gmm_avx2;
-  return gmm_base;
+  const Isa isa = best_isa();
+  return isa == Isa::avx512 ? gmm_avx512 : isa == Isa::avx2 ? gmm_avx2 : gmm_base;
 }
 #else
 void gmm_base(const GmmJob &j) { gmm_body<v8, 6, 2>(j); }
@@ -274,49 +264,48 @@ bool expert_offsets(const int32_t *counts, int nd, const int64_t *shape, int64_t
 
 }  // namespace
 
-// x [P, K], w [E, N, K], counts [E] or [R, E] int32 -> y [P, N]: y rows of expert e = x rows @ w_e^T;
-// rows past the experts' are zero
-EXPORT int mindloom_gmm_nt(int nparam, void **params, int *ndims, int64_t **shapes,
-                           const char **, void *, void *) {
+namespace {
+
+// y [P, out] = each expert's rows of x [P, in] times its weight w [E, N, K], read as w_e^T
+// (transpose: in = K, out = N) or as w_e (in = N, out = K); rows past the experts' are
+// zero. params: x, w, counts, y.
+int rows_by_weight(int nparam, void **params, int *ndims, int64_t **shapes, bool transpose) {
   if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3) return 1;
-  const int64_t p = shapes[0][0], k = shapes[0][1], e = shapes[1][0], n = shapes[1][1];
-  if (shapes[1][2] != k || shapes[2][ndims[2] - 1] != e) return 1;
+  const int64_t e = shapes[1][0], wn = shapes[1][1], wk = shapes[1][2];
+  const int64_t p = shapes[0][0], in = shapes[0][1], out = transpose ? wn : wk;
+  if (in != (transpose ? wk : wn) || shapes[2][ndims[2] - 1] != e) return 1;
   const auto *x = static_cast<const float *>(params[0]);
   const auto *w = static_cast<const float *>(params[1]);
   auto *y = static_cast<float *>(params[3]);
   std::vector<int64_t> off;
   if (!expert_offsets(static_cast<const int32_t *>(params[2]), ndims[2], shapes[2], p, &off))
     return 2;
+  // B(p, j) = w_e[j][p] (transpose) or w_e[p][j]
+  const int64_t bks = transpose ? 1 : wk, bns = transpose ? wk : 1;
   std::vector<Gemm> gemms;
   for (int64_t i = 0; i < e; ++i)
     if (off[i + 1] > off[i])
-      gemms.push_back({x + off[i] * k, k, 1, w + i * n * k, 1, k, y + off[i] * n, n,
-                       off[i + 1] - off[i], n, k});
+      gemms.push_back({x + off[i] * in, in, 1, w + i * wn * wk, bks, bns, y + off[i] * out, out,
+                       off[i + 1] - off[i], out, in});
   run_gemms(gemms);
-  std::fill(y + off[e] * n, y + p * n, 0.f);
+  std::fill(y + off[e] * out, y + p * out, 0.f);
   return 0;
 }
 
-// dy [P, N], w [E, N, K], counts [E] -> dx [P, K]: dx rows of expert e = dy rows @ w_e
+}  // namespace
+
+// x [P, K], w [E, N, K], counts [E] or [R, E] int32 -> y [P, N]: y rows of expert e =
+// x rows @ w_e^T; rows past the experts' are zero
+EXPORT int mindloom_gmm_nt(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **, void *, void *) {
+  return rows_by_weight(nparam, params, ndims, shapes, true);
+}
+
+// dy [P, N], w [E, N, K], counts [E] or [R, E] -> dx [P, K]: dx rows of expert e =
+// dy rows @ w_e
 EXPORT int mindloom_gmm_nn(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **, void *, void *) {
-  if (nparam != 4 || ndims[0] != 2 || ndims[1] != 3) return 1;
-  const int64_t p = shapes[0][0], n = shapes[0][1], e = shapes[1][0], k = shapes[1][2];
-  if (shapes[1][1] != n || shapes[2][ndims[2] - 1] != e) return 1;
-  const auto *dy = static_cast<const float *>(params[0]);
-  const auto *w = static_cast<const float *>(params[1]);
-  auto *dx = static_cast<float *>(params[3]);
-  std::vector<int64_t> off;
-  if (!expert_offsets(static_cast<const int32_t *>(params[2]), ndims[2], shapes[2], p, &off))
-    return 2;
-  std::vector<Gemm> gemms;
-  for (int64_t i = 0; i < e; ++i)
-    if (off[i + 1] > off[i])
-      gemms.push_back({dy + off[i] * n, n, 1, w + i * n * k, k, 1, dx + off[i] * k, k,
-                       off[i + 1] - off[i], k, n});
-  run_gemms(gemms);
-  std::fill(dx + off[e] * k, dx + p * k, 0.f);
-  return 0;
+  return rows_by_weight(nparam, params, ndims, shapes, false);
 }
 
 // dy [P, N], x [P, K], counts [E] or [R, E] -> dw [E, N, K]: dw_e = dy rows^T @ x rows

@@ -164,6 +164,24 @@ class Pool {
   const Job *job_ = nullptr;
 };
 
+// Which build of a hand-dispatched body (attention.cpp, experts.cpp) runs: the best
+// instruction set the CPU has, or the one $MINDLOOM_KERNEL_ISA (avx512, avx2, base) names
+// when the CPU has it, so the tests can check every build on one machine.
+enum class Isa { base, avx2, avx512 };
+
+inline Isa best_isa() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MINDLOOM_NO_CLONES)
+  __builtin_cpu_init();
+  const char *want = std::getenv("MINDLOOM_KERNEL_ISA");
+  const std::string w = want != nullptr ? want : "";
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx512 && (w.empty() || w == "avx512")) return Isa::avx512;
+  if (avx2 && (w.empty() || w == "avx512" || w == "avx2")) return Isa::avx2;
+#endif
+  return Isa::base;
+}
+
 // rows [lo, hi) of n for thread t of nt, contiguous and balanced
 inline void chunk(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
   const int64_t q = n / nt, r = n % nt;
