@@ -119,6 +119,58 @@ def test_square_sums_of_many_tensors_against_numpy():
     np.testing.assert_allclose(out[-1], want.sum(), rtol=1e-6)
 
 
+def test_adamw_kernel_updates_in_place_as_adamweightdecay_to_the_bit_and_as_numpy():
+    """KernelAdamW (the train step's update, in place) against MindSpore's AdamWeightDecay
+    on the gradient times the factor (the portable step: every bit of w, exp_avg and
+    exp_avg_sq, 4 steps with new gradients, a decayed and a plain tensor) and against
+    float64 NumPy AdamW (the same formula: no bias correction, the step folds it into
+    lr and eps). Sizes leave partial 16-lane runs and span the pool's 16384-value tasks."""
+    rng = np.random.default_rng(11)
+    shapes = [(1,), (37, 129), (3 * 16384 + 5,)]
+    h = [2e-3, 0.9, 0.95, 1e-8]
+
+    class Step(nn.Cell):
+        def __init__(self, w0, kernel):
+            super().__init__()
+            zeros = np.zeros(w0.shape, np.float32)
+            self.w = ms.Parameter(Tensor(w0.copy()), name="w")
+            self.m = ms.Parameter(Tensor(zeros), name="m")
+            self.v = ms.Parameter(Tensor(zeros.copy()), name="v")
+            self.kernel = K.KernelAdamW() if kernel else None
+            self.ref = ops.AdamWeightDecay()
+
+        def construct(self, g, scalars):
+            if self.kernel is None:
+                lr, b1, b2, eps, wd, f = (scalars[i] for i in range(6))
+                out = self.ref(self.w, self.m, self.v, lr, b1, b2, eps, wd, g * f)
+                return ops.depend(scalars[0] * 0, out)
+            return self.kernel(self.w, self.m, self.v, g, scalars)
+
+    for shape in shapes:
+        for wd in (0.1, 0.0):
+            w0 = rng.standard_normal(shape).astype(np.float32)
+            cells = {k: Step(w0, k) for k in (True, False)}
+            runs = [ms.jit(c) for c in cells.values()]
+            w, m, v = (x.astype(np.float64) for x in (w0, np.zeros(shape), np.zeros(shape)))
+            for step in range(4):
+                g = (rng.standard_normal(shape) * 3).astype(np.float32)
+                f = np.float32(0.5 + 0.25 * step)
+                scalars = Tensor(np.array(h + [wd, f], np.float32))
+                for run in runs:
+                    run(Tensor(g), scalars)
+                gf = g.astype(np.float64) * f
+                m = 0.9 * m + 0.1 * gf
+                v = 0.95 * v + 0.05 * gf * gf
+                w = w - 2e-3 * (m / (np.sqrt(v) + 1e-8) + wd * w)
+            k_net, r_net = cells[True], cells[False]
+            for name in ("w", "m", "v"):
+                a, b = (getattr(c, name).asnumpy() for c in (k_net, r_net))
+                np.testing.assert_array_equal(a, b, err_msg=f"{shape} wd={wd}: {name}")
+            np.testing.assert_allclose(k_net.w.asnumpy(), w, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(k_net.m.asnumpy(), m, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(k_net.v.asnumpy(), v, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("n,v", [(37, 65), (8, 8000), (5, 3)])
 def test_cross_entropy_forward_and_gradients(n, v):
     logits = (rng.standard_normal((n, v)) * 5).astype(np.float32)

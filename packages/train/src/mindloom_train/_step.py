@@ -5,7 +5,8 @@ vector of per-step scalars (`hyper`) and reads back (loss, grad norm, ok). The u
 applied only when `ok` (finite loss and grad norm, grad norm under the spike threshold);
 otherwise weights and optimizer state are untouched.
 
-AdamW is MindSpore's fused `AdamWeightDecay` kernel with torch's bias correction folded
+AdamW is MindSpore's fused `AdamWeightDecay` (or, with the CPU kernels, mindloom_model's
+`KernelAdamW`: the same bits in one pass, in place) with torch's bias correction folded
 into its scalars: lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), wd' = wd*bc1/sqrt(bc2), which
 gives exactly p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p). Moments are fp32.
 """
@@ -16,7 +17,7 @@ import math
 
 import mindspore as ms
 import numpy as np
-from mindloom_model import square_sums_kernel
+from mindloom_model import adamw_kernel, square_sums_kernel
 from mindspore import Parameter, Tensor, nn, ops
 
 # layout of the `hyper` vector fed to every step
@@ -33,21 +34,18 @@ from mindloom_train._step_maps import (  # noqa: E402
     _plus_buffer,
     _square_sum,
     _zero,
+    adamw_kernel_update,
+    kernel_scalars,
 )
 
 
 def decay_flags(params, decay_embeddings: bool) -> list[float]:
     """1.0 for weights that decay: matrices; never norms/biases (1-D); embeddings optional."""
-    flags = []
-    for p in params:
-        is_embed = p.name.startswith("embed") or "embed" in p.name.split(".")[0]
-        if p.ndim < 2:
-            flags.append(0.0)
-        elif is_embed and not decay_embeddings:
-            flags.append(0.0)
-        else:
-            flags.append(1.0)
-    return flags
+
+    def is_embed(p) -> bool:
+        return p.name.startswith("embed") or "embed" in p.name.split(".")[0]
+
+    return [0.0 if p.ndim < 2 or (is_embed(p) and not decay_embeddings) else 1.0 for p in params]
 
 
 class _Base(nn.Cell):
@@ -94,6 +92,12 @@ class AccumStep(_Base):
                 tokens, labels, position_ids, segment_ids, loss_mask, hyper[H_SCALE], dkey
             )
         return ops.depend(loss, _map(_accumulate, self.acc, grads))
+
+
+def _model_config(loss_net):
+    """The model's config in any cell of the loss net (DeepSeek-V3's wrap it deeper)."""
+    cells = (c for _, c in loss_net.cells_and_names()) if loss_net is not None else ()
+    return next((c.config for c in cells if hasattr(getattr(c, "config", None), "kernels")), None)
 
 
 class TrainStep(_Base):
@@ -145,13 +149,23 @@ class TrainStep(_Base):
         # _moe.MoEStepParts (DeepSeek-V3): the step also returns the MoE stats and moves
         # the expert biases after an applied update
         self.moe = moe
-        # the fused CPU kernel for every tensor's squared norm in one call (model.kernels:
-        # auto), else one [1, n] x [n, 1] matmul per tensor; not under tp, whose reducer
-        # weighs the per-tensor values
-        cfg = getattr(getattr(loss_net, "model", None), "config", None)
+        # the kernels' every squared norm in one call, else a [1, n] x [n, 1] matmul per
+        # tensor; not under tp, whose reducer weighs the per-tensor values
+        cfg = _model_config(loss_net) if share is None else None
         self.square_sums = share.square_sums if share is not None else None
         if share is None and norm_reducer is None and cfg is not None:
             self.square_sums = square_sums_kernel(cfg, len(weights))
+        # the kernels' in-place AdamW (_adamw), else MindSpore's AdamWeightDecay
+        kernel = None if share is not None else adamw_kernel(cfg)
+        self.adamw = share.adamw if share is not None else adamw_kernel_update(kernel)
+
+    def _adamw(self, hyper, factor, grads):
+        lr, b1, b2, eps, wd = hyper[H_LR], hyper[H_B1], hyper[H_B2], hyper[H_EPS], hyper[H_WD]
+        update = ops.partial(_adamw_update, lr, b1, b2, eps, wd, factor)
+        if self.adamw is not None:  # the same bits, in place, in one pass
+            decayed, plain = kernel_scalars(lr, b1, b2, eps, wd, factor)
+            update = ops.partial(self.adamw, decayed, plain)
+        return _map(update, self.weights, self.exp_avg, self.exp_avg_sq, self.flags, grads)
 
     def sibling(self, cls=None, loss_net=None, numerics: bool = False) -> TrainStep:
         """Another graph of this step over the same state (moments, buffers) and the same
@@ -163,23 +177,14 @@ class TrainStep(_Base):
                    share=self, norm_reducer=self.norm_reducer, zero=self.zero)  # fmt: skip
 
     def _own_state(self, weights, accum_steps: int, moments: bool = True) -> None:
-        if not moments:
-            self.acc = ms.ParameterTuple(
-                [Parameter(np.zeros(p.shape, np.float32), name="grad_acc." + p.name, requires_grad=False) for p in weights]
-            )  # fmt: skip
-            return
-        self.exp_avg = ms.ParameterTuple(
-            [Parameter(np.zeros(p.shape, np.float32), name="exp_avg." + p.name, requires_grad=False) for p in weights]
-        )  # fmt: skip
-        self.exp_avg_sq = ms.ParameterTuple(
-            [Parameter(np.zeros(p.shape, np.float32), name="exp_avg_sq." + p.name, requires_grad=False) for p in weights]
-        )  # fmt: skip
-        if accum_steps > 1:
-            self.acc = ms.ParameterTuple(
-                [Parameter(np.zeros(p.shape, np.float32), name="grad_acc." + p.name, requires_grad=False) for p in weights]
-            )  # fmt: skip
-        else:
-            self.acc = None
+        def zeros(prefix: str) -> ms.ParameterTuple:
+            return ms.ParameterTuple([Parameter(np.zeros(p.shape, np.float32), name=prefix + p.name,
+                                                requires_grad=False) for p in weights])  # fmt: skip
+
+        if moments:
+            self.exp_avg, self.exp_avg_sq = zeros("exp_avg."), zeros("exp_avg_sq.")
+        # called without moments only to add the buffers (ZeRO-1 accumulating)
+        self.acc = zeros("grad_acc.") if accum_steps > 1 or not moments else None
 
     def construct(self, tokens, labels, position_ids, segment_ids, loss_mask, hyper, dkey=None):
         scale = hyper[H_SCALE]
@@ -260,10 +265,7 @@ class TrainStep(_Base):
             # outside the branch: every rank joins the share whether the update ran or not
             loss = self.zero.share(loss)
         elif ok:
-            done = _map(ops.partial(_adamw_update, hyper[H_LR], hyper[H_B1], hyper[H_B2],
-                                    hyper[H_EPS], hyper[H_WD], factor),
-                        self.weights, self.exp_avg, self.exp_avg_sq, self.flags, grads)  # fmt: skip
-            loss = ops.depend(loss, done)
+            loss = ops.depend(loss, self._adamw(hyper, factor, grads))
         if self.acc is not None:
             loss = ops.depend(loss, _map(_zero, self.acc))
         if self.moe is not None:

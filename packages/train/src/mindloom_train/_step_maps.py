@@ -56,6 +56,30 @@ def _adamw_update_one(lr, b1, b2, eps, wd, factor, w, m, v, flag, g):
     return _adamw(w, m, v, lr, b1, b2, eps, wd * flag, g.astype(ms.float32) * factor)
 
 
+def adamw_kernel_update(kernel) -> ops.MultitypeFuncGraph | None:
+    """`_adamw_update` on mindloom_model's fused in-place kernel (`adamw_kernel`): the same
+    values to the bit in one pass (None without a kernel). Bound by partial: the kernel's
+    scalars for decayed and for plain tensors (`kernel_scalars`); mapped as
+    `_adamw_update`."""
+    if kernel is None:
+        return None
+    update = ops.MultitypeFuncGraph("adamw_kernel_update")
+
+    @update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Number", "Tensor")
+    def _one(decayed, plain, w, m, v, flag, g):
+        return kernel(w, m, v, g.astype(ms.float32), decayed if flag else plain)
+
+    return update
+
+
+def kernel_scalars(lr, b1, b2, eps, wd, factor):
+    """The kernel's [6] scalars for the tensors that decay and for those that do not (the
+    portable map's `wd * flag`)."""
+    decayed = ops.stack((lr, b1, b2, eps, wd, factor.astype(ms.float32)))
+    plain = ops.stack((lr, b1, b2, eps, wd * 0.0, factor.astype(ms.float32)))
+    return decayed, plain
+
+
 @_zero.register("Tensor")
 def _zero_one(acc):
     return ops.assign(acc, ops.zeros_like(acc))

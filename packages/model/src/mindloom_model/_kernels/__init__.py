@@ -18,6 +18,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
+from mindspore.ops import signature as sig
 
 from mindloom_model._kernel_build import build_library
 
@@ -32,6 +33,8 @@ __all__ = [
     "KernelAttention",
     "KernelRopeAttention",
     "KernelSquareSums",
+    "KernelAdamW",
+    "adamw_kernel",
     "KernelGroupedMatMul",
     "KernelRoute",
     "square_sums_kernel",
@@ -121,6 +124,40 @@ def square_sums_kernel(cfg, n: int) -> KernelSquareSums | None:
     from mindloom_model._llama import use_cpu_kernels
 
     return KernelSquareSums(n) if use_cpu_kernels(cfg) else None
+
+
+class KernelAdamW(ops.Custom):
+    """One parameter's AdamW update in place: (w, exp_avg, exp_avg_sq, g, h [6] = lr,
+    beta1, beta2, eps, weight decay, gradient factor) -> [1] (0). w and the moments are
+    written where they are (`RW_WRITE` inputs and a memory side effect, as MindSpore's
+    own `AdamWeightDecay` declares them, so the graph orders the writes after every read
+    of the old values); the values equal to the bit `AdamWeightDecay` on `g * factor`,
+    in one pass over the memory where the portable step runs a Mul and then the op."""
+
+    __mindspore_signature__ = (
+        sig.make_sig("w", sig.sig_rw.RW_WRITE),
+        sig.make_sig("exp_avg", sig.sig_rw.RW_WRITE),
+        sig.make_sig("exp_avg_sq", sig.sig_rw.RW_WRITE),
+        sig.make_sig("g"),
+        sig.make_sig("h"),
+    )
+
+    def __init__(self):
+        super().__init__(
+            f"{library_path()}:mindloom_adamw",
+            out_shape=lambda *shapes: (1,),
+            out_dtype=lambda *dtypes: _f32,
+            func_type="aot",
+        )
+        self.add_prim_attr("side_effect_mem", True)
+
+
+def adamw_kernel(cfg) -> KernelAdamW | None:
+    """The fused in-place AdamW for mindloom_train's step, or None where there is no model
+    config or `use_cpu_kernels(cfg)` is False (the step keeps MindSpore's AdamWeightDecay)."""
+    from mindloom_model._llama import use_cpu_kernels
+
+    return KernelAdamW() if cfg is not None and use_cpu_kernels(cfg) else None
 
 
 class KernelCrossEntropy(nn.Cell):
