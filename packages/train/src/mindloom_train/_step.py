@@ -153,11 +153,10 @@ class TrainStep(_Base):
         # tensor; not under tp, whose reducer weighs the per-tensor values
         cfg = _model_config(loss_net) if share is None else None
         self.square_sums = share.square_sums if share is not None else None
-        if share is None and norm_reducer is None and cfg is not None:
+        if cfg is not None and norm_reducer is None:
             self.square_sums = square_sums_kernel(cfg, len(weights))
         # the kernels' in-place AdamW (_adamw), else MindSpore's AdamWeightDecay
-        kernel = None if share is not None else adamw_kernel(cfg)
-        self.adamw = share.adamw if share is not None else adamw_kernel_update(kernel)
+        self.adamw = share.adamw if share is not None else adamw_kernel_update(adamw_kernel(cfg))
 
     def _adamw(self, hyper, factor, grads):
         lr, b1, b2, eps, wd = hyper[H_LR], hyper[H_B1], hyper[H_B2], hyper[H_EPS], hyper[H_WD]

@@ -75,9 +75,8 @@ def adamw_kernel_update(kernel) -> ops.MultitypeFuncGraph | None:
 def kernel_scalars(lr, b1, b2, eps, wd, factor):
     """The kernel's [6] scalars for the tensors that decay and for those that do not (the
     portable map's `wd * flag`)."""
-    decayed = ops.stack((lr, b1, b2, eps, wd, factor.astype(ms.float32)))
-    plain = ops.stack((lr, b1, b2, eps, wd * 0.0, factor.astype(ms.float32)))
-    return decayed, plain
+    f = factor.astype(ms.float32)
+    return ops.stack((lr, b1, b2, eps, wd, f)), ops.stack((lr, b1, b2, eps, wd * 0.0, f))
 
 
 @_zero.register("Tensor")

@@ -293,8 +293,6 @@ EXPORT int mindloom_sumsq_many(int nparam, void **params, int *ndims, int64_t **
   return 0;
 }
 
-// q [B, S, H, Dk], k [B, S, KV, Dk], v [B, S, KV, Dv], seg [B|1, S], scale [1]
-
 // w, m, v [any shape, the same] fp32, written in place; g (that shape) fp32; h [6] =
 // (lr, beta1, beta2, eps, weight decay, gradient factor) -> out [1] (0: the op needs an
 // output; the graph orders the writes by the operator's RW_WRITE signature)
