@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from mindspore import nn, ops
 
+from mindloom_parallel._graph_tuples import SplitWithSize, contiguous_reversed, flatten, reshape_to
 from mindloom_parallel._groups import Group
 
 __all__ = ["GradReducer", "make_buckets"]
@@ -43,24 +44,25 @@ class GradReducer(nn.Cell):
         self.buckets = make_buckets(sizes, int(bucket_size_mb * 2**20))
         self.bucket_sizes = tuple(tuple(sizes[i] // 4 for i in b) for b in self.buckets)
         order = [i for b in self.buckets for i in b]
-        self.position = tuple(order.index(i) for i in range(len(self.shapes)))
         self.scale = 1.0 / group.size if mean else 1.0
         self.allreduce = (
             ops.AllReduce(ops.ReduceOp.SUM, group=group.name) if group.size > 1 else None
         )
+        # make_buckets' buckets are contiguous runs, last tensor first: each is one tuple
+        # slice, reversed, and the pieces of all buckets in order are the tensors reversed
+        self.bounds = tuple(contiguous_reversed(b) for b in self.buckets)
+        assert all(self.bounds) and order == list(reversed(range(len(self.shapes))))
+        self.map = ops.HyperMap()
+        self.split = SplitWithSize()
 
     def construct(self, grads):
         if self.allreduce is None:
             return grads
-        # tuples and static indices only: list item assignment is not reliable in graphs
         pieces = ()
         reduced = None
         for b in range(len(self.buckets)):
-            bucket = self.buckets[b]
-            flat = ()
-            for i in bucket:
-                flat = flat + (grads[i].reshape(-1),)
-            flat = ops.concat(flat)
+            lo, hi = self.bounds[b]
+            flat = ops.concat(self.map(flatten, grads[lo:hi][::-1]))
             if reduced is not None:
                 # the buckets' all-reduces in one order on every rank: nothing else orders
                 # them, and ranks whose graphs differ (ZeRO-1 updates other tensors) were
@@ -70,8 +72,5 @@ class GradReducer(nn.Cell):
             reduced = self.allreduce(flat)
             if self.scale != 1.0:
                 reduced = reduced * self.scale
-            pieces = pieces + ops.split(reduced, self.bucket_sizes[b])
-        out = ()
-        for i in range(len(self.shapes)):
-            out = out + (pieces[self.position[i]].reshape(self.shapes[i]),)
-        return out
+            pieces = pieces + self.split(reduced, self.bucket_sizes[b], 0)
+        return self.map(reshape_to, pieces[::-1], self.shapes)

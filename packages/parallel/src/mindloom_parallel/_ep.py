@@ -30,6 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindloom_parallel._graph_tuples import runs
 from mindloom_parallel._groups import Group, coords_rank, rank_coords
 
 __all__ = [
@@ -123,33 +124,48 @@ class EPGradReducer(nn.Cell):
     def __init__(self, names, dp_size: int, edp: Group, dp_reducer=None):
         super().__init__()
         self.n = len(names)
-        self.expert = tuple(is_expert_param(n) for n in names)
-        dense = [i for i in range(self.n) if not self.expert[i]]
-        self.dense_idx = tuple(dense)
-        self.dense_pos = tuple(dense.index(i) if i in dense else -1 for i in range(self.n))
+        expert = [is_expert_param(n) for n in names]
+        self.expert_idx = tuple(i for i in range(self.n) if expert[i])
+        self.dense_runs = runs(i for i in range(self.n) if not expert[i])
+        # the output in runs: (0, lo, hi) dense[lo:hi], (1, lo, hi) experts[lo:hi]
+        merge, counts = [], [0, 0]
+        for i in range(self.n):
+            src = int(expert[i])
+            if merge and merge[-1][0] == src:
+                merge[-1][2] += 1
+            else:
+                merge.append([src, counts[src], counts[src] + 1])
+            counts[src] += 1
+        self.merge = tuple(tuple(m) for m in merge)
         self.scale = 1.0 / dp_size
         self.edp = ops.AllReduce(ops.ReduceOp.SUM, group=edp.name) if edp.size > 1 else None
         self.dp_reducer = dp_reducer
 
     def construct(self, grads):
+        # few runs and few expert tensors: no tuple grown tensor by tensor (_graph_tuples)
         dense = ()
-        for i in self.dense_idx:
-            dense = dense + (grads[i],)
+        for r in range(len(self.dense_runs)):
+            lo, hi = self.dense_runs[r]
+            dense = dense + grads[lo:hi]
         if self.dp_reducer is not None:
             dense = self.dp_reducer(dense)
-        out = ()
+        experts = ()
         prev = dense
-        for i in range(self.n):
-            if self.expert[i]:
-                g = grads[i] * self.scale
-                if self.edp is not None:
-                    # after the dense buckets and the previous expert tensor: one order of
-                    # collectives on ranks whose graphs differ (ZeRO-1)
-                    g = self.edp(ops.depend(g, prev))
-                    prev = g
+        for i in self.expert_idx:
+            g = grads[i] * self.scale
+            if self.edp is not None:
+                # after the dense buckets and the previous expert tensor: one order of
+                # collectives on ranks whose graphs differ (ZeRO-1)
+                g = self.edp(ops.depend(g, prev))
+                prev = g
+            experts = experts + (g,)
+        out = ()
+        for m in range(len(self.merge)):
+            src, lo, hi = self.merge[m]
+            if src == 0:
+                out = out + dense[lo:hi]
             else:
-                g = dense[self.dense_pos[i]]
-            out = out + (g,)
+                out = out + experts[lo:hi]
         return out
 
 
@@ -214,6 +230,7 @@ class EPZeroShardUpdate(nn.Cell):
         expert = [is_expert_param(p.name) for p in params]
         self.dense_idx = tuple(i for i in range(len(params)) if not expert[i])
         self.expert_idx = tuple(i for i in range(len(params)) if expert[i])
+        self.dense_runs, self.expert_runs = runs(self.dense_idx), runs(self.expert_idx)
         flags = list(decay_flags)
         self.dense = ZeroShardUpdate([params[i] for i in self.dense_idx], dp,
                                      [flags[i] for i in self.dense_idx], bucket_size_mb)  # fmt: skip
@@ -235,10 +252,12 @@ class EPZeroShardUpdate(nn.Cell):
     def update(self, grads, factor, lr, beta1, beta2, eps, weight_decay, token):
         """AdamW on the owned dense and expert tensors (``grads``: all, already reduced)."""
         dense, expert = (), ()
-        for i in self.dense_idx:
-            dense = dense + (grads[i],)
-        for i in self.expert_idx:
-            expert = expert + (grads[i],)
+        for r in range(len(self.dense_runs)):
+            lo, hi = self.dense_runs[r]
+            dense = dense + grads[lo:hi]
+        for r in range(len(self.expert_runs)):
+            lo, hi = self.expert_runs[r]
+            expert = expert + grads[lo:hi]
         token = self.dense.update(dense, factor, lr, beta1, beta2, eps, weight_decay, token)
         return self.expert.update(expert, factor, lr, beta1, beta2, eps, weight_decay, token)
 

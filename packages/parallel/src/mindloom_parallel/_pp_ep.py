@@ -42,6 +42,7 @@ from mindloom_parallel._ep import (
     init_expert_groups,
     is_expert_param,
 )
+from mindloom_parallel._graph_tuples import add_f32
 from mindloom_parallel._pp import one_f_one_b, stage_layers
 from mindloom_parallel._pp_graph import _SquareSum
 
@@ -144,6 +145,7 @@ class _Backward(nn.Cell):
     def __init__(self, stage, weights, first: bool):
         super().__init__(auto_prefix=False)
         self.stage, self.weights, self.first = stage, weights, first
+        self.map = ops.HyperMap()
 
     @ms.jit
     def construct(self, x, pos, seg, tokens, labels, mask, dy, acc):
@@ -151,11 +153,7 @@ class _Backward(nn.Cell):
         sens = (dy, ops.ones((), ms.float32), ops.zeros_like(out[2]))
         in_grads, wgrads = vjp_fn(sens)
         dx = ops.zeros((), ms.float32) if self.first else in_grads[0]
-        new = ()
-        for i in range(len(wgrads)):
-            g = wgrads[i].astype(ms.float32)
-            new = new + (acc[i] + g,)
-        return out[2], dx, new
+        return out[2], dx, self.map(add_f32, acc, wgrads)
 
 
 class _EvalForward(nn.Cell):

@@ -32,6 +32,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from mindloom_parallel._engine import ParallelEngine, StageQueues
+from mindloom_parallel._graph_tuples import add_f32, to_f32
 from mindloom_parallel._pp import one_f_one_b
 from mindloom_parallel._tp_graph import VocabParallelLossSumGraph
 from mindloom_parallel._zero import ZeroAdamW
@@ -74,6 +75,7 @@ class _Backward(nn.Cell):
         self.unpacked = _Unpacked(stage)
         self.weights = weights
         self.first = first  # its input is token ids: no input gradient to send
+        self.map = ops.HyperMap()  # not a loop growing a tuple (_graph_tuples)
 
     @ms.jit
     def construct(self, x, pos, seg, labels, mask, denom, dy, acc=None, dkey=None):
@@ -95,11 +97,9 @@ class _Backward(nn.Cell):
         dx = in_grads[0]
         if self.first:
             dx = ops.zeros((), ms.float32)
-        new = ()
-        for i in range(len(wgrads)):
-            g = wgrads[i].astype(ms.float32)
-            new = new + ((g if acc is None else acc[i] + g),)
-        return out, dx, new
+        if acc is None:
+            return out, dx, self.map(to_f32, wgrads)
+        return out, dx, self.map(add_f32, acc, wgrads)
 
 
 class _SquareSum(nn.Cell):

@@ -267,6 +267,14 @@ def tp_replicated(names) -> tuple[bool, ...]:
     return tuple(n.endswith("norm.weight") for n in names)
 
 
+_reduce_if = ops.MultitypeFuncGraph("reduce_if")
+
+
+@_reduce_if.register("Function", "Tensor", "Bool")
+def _reduce_if_partial(allreduce, g, partial):
+    return allreduce(g) if partial else g
+
+
 class TPGradReducer(nn.Cell):
     """The gradients of a compiled TP step before the update: the gradients that are
     partial sums over the TP ranks get one all-reduce over tp each (with sequence parallel
@@ -281,18 +289,14 @@ class TPGradReducer(nn.Cell):
         if partial is None:
             partial = tp_replicated(names) if sequence_parallel else (False,) * self.n
         self.sp_idx = tuple(i for i in range(self.n) if partial[i])
+        self.partial = tuple(bool(f) for f in partial)
         self.allreduce = _allreduce(groups.tp) if self.sp_idx else None
+        self.map = ops.HyperMap()  # not a loop growing a tuple (_graph_tuples)
         self.dp_reducer = dp_reducer
 
     def construct(self, grads):
         if self.allreduce is not None:
-            out = ()
-            for i in range(self.n):
-                g = grads[i]
-                if i in self.sp_idx:
-                    g = self.allreduce(g)
-                out = out + (g,)
-            grads = out
+            grads = self.map(ops.partial(_reduce_if, self.allreduce), grads, self.partial)
         if self.dp_reducer is not None:
             grads = self.dp_reducer(grads)
         return grads

@@ -29,12 +29,33 @@ import numpy as np
 from mindspore import Parameter, nn, ops
 
 from mindloom_parallel._dp import make_buckets
+from mindloom_parallel._graph_tuples import SplitWithSize, contiguous_reversed
 from mindloom_parallel._groups import Group
 from mindloom_parallel._zero import zero_owners
 
 __all__ = ["ZeroShardUpdate"]
 
 _adamw = ops.AdamWeightDecay()
+
+# share's per-tensor parts, mapped over a bucket (see _graph_tuples for why not a loop)
+_held = ops.MultitypeFuncGraph("zero_held")
+_take = ops.MultitypeFuncGraph("zero_take")
+
+
+@_held.register("Tensor", "Tensor", "Bool", "Number")
+def _held_value(token, param, mine, n):
+    """What this rank adds to the share: its own parameter's values, else zeros."""
+    if mine:
+        return ops.depend(param, token).reshape(-1)
+    return ops.zeros((n,), param.dtype)
+
+
+@_take.register("Tensor", "Tensor", "Bool", "Tuple")
+def _take_value(param, piece, mine, shape):
+    """A replica's parameter set to the owner's values (an owner keeps its own)."""
+    if mine:
+        return ops.zeros((), ms.float32)
+    return ops.depend(ops.zeros((), ms.float32), ops.assign(param, piece.reshape(shape)))
 
 
 class ZeroShardUpdate(nn.Cell):
@@ -72,6 +93,12 @@ class ZeroShardUpdate(nn.Cell):
         )
         self.bucket_sizes = tuple(tuple(self.sizes[i] for i in b) for b in buckets)
         self.shapes = tuple(tuple(p.shape) for p in params)
+        # make_buckets' buckets are contiguous runs, last tensor first: tuple slices
+        self.bounds = tuple(contiguous_reversed(b) for b in buckets)
+        self.mine_flags = tuple(o == me for o in self.owner)
+        self.size_t = tuple(self.sizes)
+        self.map = ops.HyperMap()
+        self.split = SplitWithSize()
         # a group of one (expert state under ep = dp: the expert-data-parallel group) owns
         # everything and shares nothing
         self.allreduce = ops.AllReduce(ops.ReduceOp.SUM, group=dp.name) if dp.size > 1 else None
@@ -97,23 +124,15 @@ class ZeroShardUpdate(nn.Cell):
         if self.allreduce is None:
             return token
         for b in range(len(self.plan)):
-            bucket = self.plan[b]
-            flat = ()
-            for entry in bucket:
-                i, mine, n = entry[0], entry[1], entry[2]
-                if mine:
-                    flat = flat + (ops.depend(self.params[i], token).reshape(-1),)
-                else:
-                    flat = flat + (ops.zeros((n,), self.params[i].dtype),)
+            lo, hi = self.bounds[b]
+            params, mine = self.params[lo:hi][::-1], self.mine_flags[lo:hi][::-1]
+            held = self.map(ops.partial(_held, token), params, mine, self.size_t[lo:hi][::-1])
             # every bucket waits for `token` and the next for this one: the ranks' graphs
             # differ (each owns other tensors), so only explicit order keeps their
             # collectives in the same sequence (a bucket of zeros alone would run early)
-            full = self.allreduce(ops.depend(ops.concat(flat), token))
+            full = self.allreduce(ops.depend(ops.concat(held), token))
             token = ops.depend(token, full)
-            pieces = ops.split(full, self.bucket_sizes[b])
-            for j in range(len(bucket)):
-                i, mine = bucket[j][0], bucket[j][1]
-                if not mine:
-                    piece = pieces[j].reshape(self.shapes[i])
-                    token = ops.depend(token, ops.assign(self.params[i], piece))
+            pieces = self.split(full, self.bucket_sizes[b], 0)
+            done = self.map(_take, params, pieces, mine, self.shapes[lo:hi][::-1])
+            token = ops.depend(token, done)
         return token
