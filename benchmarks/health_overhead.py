@@ -105,7 +105,7 @@ def variant_cells():
     import mindspore as ms
     from mindloom_train import TrainStep
     from mindloom_train._numerics import _logit_stats_cells
-    from mindloom_train._step import sum_all
+    from mindloom_train._step_maps import sum_all
     from mindspore import ops
 
     def zero():

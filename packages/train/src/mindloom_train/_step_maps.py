@@ -90,3 +90,36 @@ def _after_one(first, x):
     # over both tuples), or every gradient after one collective's result (`first` bound
     # by partial: orders collectives between ZeRO-1 / ep graphs that differ)
     return ops.depend(x, first)
+
+
+def sum_all(x, r: int, c: int):
+    """The sum of all elements of `x` (r * c of them) as ones[1, r] @ x[r, c] @ ones[c, 1]:
+    on MindSpore's CPU backend ~4x faster than ReduceSum/ReduceMean of the whole tensor and
+    ~2x faster than a [1, n] x [n, 1] matmul on the 17m preset's tensors (with those the
+    statistics took ~0.6 s of a 1.6 s step)."""
+    left = ops.ones((1, r), ms.float32)
+    right = ops.ones((c, 1), ms.float32)
+    return ops.matmul(ops.matmul(left, x.reshape(r, c)), right).reshape(())
+
+
+_numerics_row = ops.MultitypeFuncGraph("numerics_row")
+
+
+@_numerics_row.register(
+    "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tuple"
+)
+def _numerics_row_one(loss, inv, weight, before, exp_avg, exp_avg_sq, sq, view):
+    """NUMERICS of one tensor after the update (each read waits for `loss`, i.e. the
+    update): [grad norm^2, param norm^2 before, update norm^2, mean |m|, mean sqrt(v)]."""
+    after = ops.depend(weight, loss)
+    d = after - before
+    m = ops.abs(ops.depend(exp_avg, loss))
+    v = ops.sqrt(ops.depend(exp_avg_sq, loss))
+    r, c = view
+    return ops.stack((
+        sq * inv * inv,
+        sum_all(before * before, r, c),
+        sum_all(d * d, r, c),
+        sum_all(m, r, c) / (r * c),
+        sum_all(v, r, c) / (r * c),
+    ))  # fmt: skip
