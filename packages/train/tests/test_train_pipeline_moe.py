@@ -21,7 +21,8 @@ parts, grad norms, held-out losses, expert loads, biases and tensors. The parall
 package's own test (test_parallel_ep_four.py) checks the stage graphs' grad norm and
 held-out loss against NumPy and a one-process forward.
 
-Opt-in (`./dev test --slow`): a 4-worker DeepSeek-V3 launch, ~4 minutes of CPU here.
+In the default suite since session 24 (opt-in before): a 4-worker DeepSeek-V3 launch,
+164 CPU-s here (MINDLOOM_TEST_CPU, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from train_testutil import (
     stop_launches,
 )
 
-pytestmark = [pytest.mark.msrun, pytest.mark.slow]
+pytestmark = pytest.mark.msrun
 
 STEPS = 20
 PP_EP = {"pp": 2, "dp": 2, "ep": 2, "micro_batch_num": 2}
