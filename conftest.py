@@ -12,7 +12,7 @@ import os
 # session 14 and was slower: it starts the big msrun launches together on two cores
 # (docs/testing.md). Without xdist (MINDLOOM_TEST_WORKERS=0) this order holds.
 FILE_SECONDS = {
-    "test_parallel_ep_four.py": 68,  # dp4_ep2_zero1 alone by default (session 24)
+    "test_parallel_ep_four.py": 220,  # opt-in (slow)
     "test_train_parallel_four.py": 130,  # opt-in (slow; session 16)
     "test_train_launch_signals.py": 176, "test_train_expert_parallel.py": 167,
     "test_train_pipeline_moe.py": 111,  # default suite since session 24
