@@ -490,7 +490,7 @@ def run_compiled_zero(name: str, out: Path, steps: int = STEPS) -> dict:
             return self.zero.share(loss)
 
     step = Step()
-    assert len(zero.plan) > 1  # several share buckets
+    assert len(zero.bounds) > 1  # several share buckets
     losses = []
     t0 = time.perf_counter()
     for t, b in enumerate(batches(cfg.vocab_size)[:steps], 1):

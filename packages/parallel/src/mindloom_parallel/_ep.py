@@ -26,11 +26,13 @@ global batch.
 
 from __future__ import annotations
 
+import itertools
+
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from mindloom_parallel._graph_tuples import runs
+from mindloom_parallel._graph_tuples import runs, take_runs
 from mindloom_parallel._groups import Group, coords_rank, rank_coords
 
 __all__ = [
@@ -129,24 +131,18 @@ class EPGradReducer(nn.Cell):
         self.dense_runs = runs(i for i in range(self.n) if not expert[i])
         # the output in runs: (0, lo, hi) dense[lo:hi], (1, lo, hi) experts[lo:hi]
         merge, counts = [], [0, 0]
-        for i in range(self.n):
-            src = int(expert[i])
-            if merge and merge[-1][0] == src:
-                merge[-1][2] += 1
-            else:
-                merge.append([src, counts[src], counts[src] + 1])
-            counts[src] += 1
-        self.merge = tuple(tuple(m) for m in merge)
+        for src, group in itertools.groupby(int(e) for e in expert):
+            k = len(list(group))
+            merge.append((src, counts[src], counts[src] + k))
+            counts[src] += k
+        self.merge = tuple(merge)
         self.scale = 1.0 / dp_size
         self.edp = ops.AllReduce(ops.ReduceOp.SUM, group=edp.name) if edp.size > 1 else None
         self.dp_reducer = dp_reducer
 
     def construct(self, grads):
         # few runs and few expert tensors: no tuple grown tensor by tensor (_graph_tuples)
-        dense = ()
-        for r in range(len(self.dense_runs)):
-            lo, hi = self.dense_runs[r]
-            dense = dense + grads[lo:hi]
+        dense = take_runs(grads, self.dense_runs)
         if self.dp_reducer is not None:
             dense = self.dp_reducer(dense)
         experts = ()
@@ -251,13 +247,7 @@ class EPZeroShardUpdate(nn.Cell):
 
     def update(self, grads, factor, lr, beta1, beta2, eps, weight_decay, token):
         """AdamW on the owned dense and expert tensors (``grads``: all, already reduced)."""
-        dense, expert = (), ()
-        for r in range(len(self.dense_runs)):
-            lo, hi = self.dense_runs[r]
-            dense = dense + grads[lo:hi]
-        for r in range(len(self.expert_runs)):
-            lo, hi = self.expert_runs[r]
-            expert = expert + grads[lo:hi]
+        dense, expert = take_runs(grads, self.dense_runs), take_runs(grads, self.expert_runs)
         token = self.dense.update(dense, factor, lr, beta1, beta2, eps, weight_decay, token)
         return self.expert.update(expert, factor, lr, beta1, beta2, eps, weight_decay, token)
 

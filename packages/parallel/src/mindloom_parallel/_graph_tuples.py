@@ -25,6 +25,7 @@ __all__ = [
     "flatten",
     "reshape_to",
     "runs",
+    "take_runs",
     "to_f32",
 ]
 
@@ -58,6 +59,16 @@ def runs(indices) -> tuple[tuple[int, int], ...]:
         else:
             out.append([i, i + 1])
     return tuple((lo, hi) for lo, hi in out)
+
+
+def take_runs(items, spans):
+    """`items[lo:hi]` of every (lo, hi) in `spans` (`runs`' output), concatenated; called in
+    `construct`: a few tuple slices, not one tuple grown per element."""
+    out = ()
+    for r in range(len(spans)):
+        lo, hi = spans[r]
+        out = out + items[lo:hi]
+    return out
 
 
 to_f32 = ops.MultitypeFuncGraph("to_f32")

@@ -288,9 +288,8 @@ class TPGradReducer(nn.Cell):
         self.n = len(params)
         if partial is None:
             partial = tp_replicated(names) if sequence_parallel else (False,) * self.n
-        self.sp_idx = tuple(i for i in range(self.n) if partial[i])
         self.partial = tuple(bool(f) for f in partial)
-        self.allreduce = _allreduce(groups.tp) if self.sp_idx else None
+        self.allreduce = _allreduce(groups.tp) if any(self.partial) else None
         self.map = ops.HyperMap()  # not a loop growing a tuple (_graph_tuples)
         self.dp_reducer = dp_reducer
 

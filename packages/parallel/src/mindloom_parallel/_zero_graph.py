@@ -71,7 +71,7 @@ class ZeroShardUpdate(nn.Cell):
     def __init__(self, params, dp: Group, decay_flags, bucket_size_mb: float = 25.0):
         super().__init__(auto_prefix=False)
         params = list(params)
-        self.sizes = [int(np.prod(p.shape)) for p in params]
+        self.sizes = tuple(int(np.prod(p.shape)) for p in params)
         self.owner = zero_owners(self.sizes, dp.size)
         me = dp.index
         self.owned = tuple(i for i, o in enumerate(self.owner) if o == me)
@@ -86,17 +86,12 @@ class ZeroShardUpdate(nn.Cell):
                        requires_grad=False) for i in self.owned]
         )  # fmt: skip
         self.params = ms.ParameterTuple(params)
-        # per bucket: (parameter index, owned here, values) in concatenation order
         buckets = make_buckets([4 * s for s in self.sizes], int(bucket_size_mb * 2**20))
-        self.plan = tuple(
-            tuple((i, self.owner[i] == me, self.sizes[i]) for i in b) for b in buckets
-        )
         self.bucket_sizes = tuple(tuple(self.sizes[i] for i in b) for b in buckets)
         self.shapes = tuple(tuple(p.shape) for p in params)
         # make_buckets' buckets are contiguous runs, last tensor first: tuple slices
         self.bounds = tuple(contiguous_reversed(b) for b in buckets)
         self.mine_flags = tuple(o == me for o in self.owner)
-        self.size_t = tuple(self.sizes)
         self.map = ops.HyperMap()
         self.split = SplitWithSize()
         # a group of one (expert state under ep = dp: the expert-data-parallel group) owns
@@ -123,10 +118,10 @@ class ZeroShardUpdate(nn.Cell):
         update, applied or skipped); returns ``token`` made to wait for the copies."""
         if self.allreduce is None:
             return token
-        for b in range(len(self.plan)):
+        for b in range(len(self.bounds)):
             lo, hi = self.bounds[b]
             params, mine = self.params[lo:hi][::-1], self.mine_flags[lo:hi][::-1]
-            held = self.map(ops.partial(_held, token), params, mine, self.size_t[lo:hi][::-1])
+            held = self.map(ops.partial(_held, token), params, mine, self.sizes[lo:hi][::-1])
             # every bucket waits for `token` and the next for this one: the ranks' graphs
             # differ (each owns other tensors), so only explicit order keeps their
             # collectives in the same sequence (a bucket of zeros alone would run early)
