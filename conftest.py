@@ -13,10 +13,10 @@ import os
 # (docs/testing.md). Without xdist (MINDLOOM_TEST_WORKERS=0) this order holds.
 FILE_SECONDS = {
     "test_parallel_ep_four.py": 220,  # opt-in (slow)
-    "test_train_parallel_four.py": 130,  # opt-in (slow; session 16)
+    "test_train_parallel_four.py": 100,  # default suite since session 25
     "test_train_launch_signals.py": 176, "test_train_expert_parallel.py": 167,
     "test_train_pipeline_moe.py": 111,  # default suite since session 24
-    "test_train_parallel_launch.py": 161, "test_parallel_msrun_four.py": 130,
+    "test_train_parallel_launch.py": 161, "test_parallel_msrun_four.py": 160,
     "test_parallel_msrun.py": 109, "test_parallel_launch.py": 101,
     "test_train_deepseek.py": 100, "test_train_health.py": 94, "test_train_loop.py": 74,
     "test_train_reliability.py": 62, "test_train_compile_cache.py": 60,

@@ -1,5 +1,7 @@
-"""Run by test_parallel_ep_four.py: 20 AdamW steps of a 2-layer DeepSeek-V3 (both layers MoE,
-one MTP block: 3 routers), one process or several 4-worker expert-parallel layouts.
+"""Run by test_parallel_ep_four.py (and, for dp4_ep2_zero1 inside parallel_worker.py's
+launch, test_parallel_msrun_four.py): 20 AdamW steps (MINDLOOM_EP_STEPS) of a 2-layer
+DeepSeek-V3 (both layers MoE, one MTP block: 3 routers), one process or several 4-worker
+expert-parallel layouts.
 
     python ep_worker.py OUT --reference                 one process, the model's own loss cell
     msrun ... ep_worker.py OUT --layouts pp2_ep2,...    every layout in the same workers

@@ -91,13 +91,17 @@ def launch_layouts(out: Path, name: str, layouts: list[str], nproc: int) -> dict
     return {r: json.loads((out / name / f"result_rank{r}.json").read_text()) for r in range(nproc)}
 
 
-def launch_two_nodes(out: Path, name: str, layouts: list[str], nproc_per_node: int) -> dict:
-    """Two msrun invocations on 127.0.0.1 (node rank 0 and 1), started together."""
+def launch_two_nodes(
+    out: Path, name: str, layouts: list[str], nproc_per_node: int, env: dict | None = None
+) -> dict:
+    """Two msrun invocations on 127.0.0.1 (node rank 0 and 1), started together; `env`
+    added to the workers' environment."""
     port = free_port()
     errors = []
     # both "nodes" are this host: their workers may join and leave in one-second steps, as
     # `launch` lets one node's do (MindSpore's 3-5 s default is for real clusters)
-    env = {**os.environ, "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+    env = {**os.environ, "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1",
+           **(env or {})}  # fmt: skip
 
     def node(rank):
         try:

@@ -518,7 +518,17 @@ def run_compiled_zero(name: str, out: Path, steps: int = STEPS) -> dict:
             "moment_tensors": len(zero.exp_avg), "values": sum(zero.sizes)}  # fmt: skip
 
 
+def run_ep_zero(name: str, out: Path, steps: int = STEPS) -> dict:
+    """dp4 x ep2 + ZeRO-1 (DeepSeek-V3, `ep_worker`'s own step count and reference): in
+    this launch so that the expert-data-parallel group of 2 runs in the default suite
+    without a launch of its own."""
+    import ep_worker
+
+    return ep_worker.run_dp_zero(name, out)
+
+
 RUNNERS = {"dp2_compiled": run_compiled_dp, "dp2_zero1_compiled": run_compiled_zero,
+           "dp4_ep2_zero1": run_ep_zero,
            "dp2_tp2_compiled": run_compiled_tp, "dp2_tp2_sp_compiled": run_compiled_tp, "tp2_mlp_compiled": run_mlp_compiled,
            "tp2_compiled": run_compiled_tp, "tp2_sp_compiled": run_compiled_tp}  # fmt: skip
 

@@ -10,12 +10,13 @@ ZeRO-1, against one process (real msrun, 4 CPU workers each, both launches at on
 Tied embeddings (pp: the first and last stage sum the embedding's gradient) and a
 vocabulary split over tp (66 ids).
 
-Opt-in (`slow`, ~200 CPU-s for eight workers' start and compiles): the default suite holds
-L's numerics at the `PipelineGraph` level (`tp2_pp2_sp_compiled` in mindloom-parallel's
-4-worker launch, losses and weights against one process), the compiled tp step and the
-compiled ZeRO-1 update each in a 2-worker launch of `test_train_parallel_launch.py`
-(losses, weights, moments, resume); what only this file runs is them composed through the
-trainer. docs/testing.md lists it.
+In the default suite since session 25 (opt-in, `slow`, from session 16): the default
+suite holds L's numerics at the `PipelineGraph` level (`tp2_pp2_sp_compiled` in
+mindloom-parallel's 4-worker launch) and the compiled tp step and the compiled ZeRO-1
+update each in a 2-worker launch of `test_train_parallel_launch.py`, but only this file
+runs them composed through the trainer (the stages' tp shards in per-rank checkpoints,
+ZeRO-1 ownership over each tp rank's dp group). ~100 CPU-s here (MINDLOOM_TEST_CPU,
+2026-12-04: eight workers starting and compiling, 56 s wall alone).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from train_testutil import (
     wait_launches,
 )
 
-pytestmark = [pytest.mark.msrun, pytest.mark.slow]
+pytestmark = pytest.mark.msrun
 
 STEPS, SAVE = 4, 2
 LAYOUTS = {
