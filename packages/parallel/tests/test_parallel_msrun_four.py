@@ -27,8 +27,8 @@ FOUR_WORKER_LAYOUTS = ["dp2_tp2", "dp2_pp2", "tp2_pp2_sp", "dp2_tp2_compiled",
                        "tp2_pp2_sp_compiled"]  # fmt: skip
 EP_LAYOUT = "dp4_ep2_zero1"  # DeepSeek-V3, ep_worker's
 # 8 of ep_worker's 20 steps: a step costs ~0.9 s of each worker's wall time here (4 workers
-# on 2 cores, 20 steps 40% of the layout's time), and the bug it is for (expert gradients
-# not summed over the expert-data-parallel group) moves the loss from step 2 on
+# on 2 cores: 20 steps were half the layout's time), and the bug it is for (expert
+# gradients not summed over the expert-data-parallel group) moves the loss from step 2 on
 EP_STEPS = 8
 
 

@@ -308,13 +308,19 @@ _MSRUN_NOT_MASTER = (
 ) + _MSRUN_MAIN
 
 
-# The whole job on this node: once every worker has exited with code 0 nobody needs the
-# scheduler any more, and msrun ends there instead of waiting for it. MindSpore 2.10's
-# scheduler notices its workers' unregistration only every 5 s (its finalize loop; Python
-# code cannot run in it meanwhile: `init` holds the GIL), so every launch ended 0-5 s after
-# its last worker (measured: 3.4 s on a 2-worker debug run). A worker that failed, or a job
-# spread over several nodes (their workers may still need the scheduler), keeps msrun's own
-# wait.
+# The whole job on this node: once every worker has exited nobody needs the scheduler any
+# more, and msrun ends there instead of waiting for it.
+# - Every worker exited with code 0: MindSpore 2.10's scheduler notices its workers'
+#   unregistration only every 5 s (its finalize loop; Python code cannot run in it
+#   meanwhile: `init` holds the GIL), so every launch ended 0-5 s after its last worker
+#   (measured: 3.4 s on a 2-worker debug run).
+# - A worker failed: msrun SIGKILLs the others, then waits for the scheduler, which waits
+#   out the dead nodes' heartbeat (30 s: "The node: 3 is timed out", measured in
+#   test_train_pipeline_moe.py's killed rank). The job has failed either way; msrun still
+#   reports it (the scheduler, killed, exits non-zero) and the diagnosis reads msrun's and
+#   the workers' logs, not the scheduler's.
+# A job spread over several nodes (their workers may still need the scheduler) keeps
+# msrun's own wait.
 _MSRUN_ONE_NODE = (
     "import sys\n"
     "from mindspore.parallel.cluster.process_entity import _api\n"
@@ -331,6 +337,16 @@ _MSRUN_ONE_NODE = (
     "                sched.returncode = 0\n"
     "                print('msrun: every worker exited with code 0: scheduler released', flush=True)\n"
     "                return 0\n"
+    "            if workers and any(p.poll() not in (None, 0) for p in workers):\n"
+    "                for p in workers:  # msrun has sent the others SIGKILL\n"
+    "                    try:\n"
+    "                        p.wait(30)\n"
+    "                    except Exception:\n"
+    "                        return wait(timeout)\n"
+    "                sched.kill()\n"
+    "                wait()\n"
+    "                print('msrun: a worker failed and every worker has exited: scheduler released', flush=True)\n"
+    "                return sched.returncode\n"
     "            return wait(timeout)\n"
     "        sched.wait = released\n"
     "    return _join(self)\n"
