@@ -9,7 +9,7 @@ graphs; every check here shares it. Each layout is compared with the one-process
 The same workers then run DeepSeek-V3 under dp4 x ep2 + ZeRO-1 (`ep_worker.run_dp_zero`):
 the one layout whose expert-data-parallel group has 2 ranks (expert gradients summed over
 it, expert AdamW state split over it), against `ep_worker`'s one-process reference run
-meanwhile in its own process (`ep_checks`): 20 steps' losses and parts, expert loads,
+meanwhile in its own process (`ep_checks`): 8 steps' (EP_STEPS) losses and parts, expert loads,
 weights, biases (and NumPy's sign rule) and the ZeRO-1 moments.
 """
 
