@@ -593,6 +593,89 @@ def test_grouped_matmul_cell_gradients_against_numpy():
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def numpy_dispatch(idx, e, r=1):
+    """The dispatch plan by NumPy's stable sort: slots (m, j) with an id in [0, E), in slot
+    order, sorted by expert -> (dest [M, k] (-1: another rank's slot), row_token [S] (-1:
+    no slot), counts [R, E] (rank of a slot: its token's block of M / R))."""
+    flat = idx.reshape(-1)
+    here = np.flatnonzero((flat >= 0) & (flat < e))
+    order = here[np.argsort(flat[here], kind="stable")]  # row i holds slot order[i]
+    dest = np.full(idx.size, -1)
+    dest[order] = np.arange(len(order))
+    token = np.full(idx.size, -1)
+    token[: len(order)] = order // idx.shape[1]
+    counts = np.zeros((r, e), np.int64)
+    np.add.at(counts, (here // idx.shape[1] // (len(idx) // r), flat[here]), 1)
+    return dest.reshape(idx.shape), token, counts
+
+
+@pytest.mark.parametrize("m,k,e,r", [(37, 2, 6, 1), (50, 3, 8, 1), (9, 1, 4, 1), (40, 2, 3, 2)])
+def test_moe_dispatch_kernels_against_numpy(m, k, e, r):
+    """The fused dropless dispatch (KernelMoEPlan, KernelMoEGather, KernelMoECombine)
+    against NumPy: the plan (slots sorted by expert, slot order within an expert, counts
+    per source rank; an idle expert), the gathered rows, y = sum_j w xs[dest] + base and
+    every gradient (xs, w, base through the combine; x through the gather: each token's k
+    rows summed) in float64. R = 2 is expert parallel: ids relative to this rank's first
+    expert, slots outside [0, E) are other ranks' (no row, no weight gradient here), rows
+    past this rank's slots are zero. Ids out of range (one process) and rows out of range
+    are refused. Plants: the plan's rows not in slot order within an expert; the gather's
+    backward keeping only j = 0; w's gradient from the unweighted rows times w (see the
+    model README)."""
+    data = np.random.default_rng(m + k)
+    lo, hi = (0, e - 1) if r == 1 else (-2, e + 2)  # one process: the last expert idle
+    idx = np.stack([data.choice(np.arange(lo, hi), k, replace=False) for _ in range(m)])
+    idx = idx.astype(np.int32)
+    d = 24
+    spec = Tensor(np.zeros((r, e), np.int32))
+    dest_t, tok_t, counts_t = K.KernelMoEPlan()(Tensor(idx), spec)
+    dest, tok, counts = dest_t.asnumpy(), tok_t.asnumpy(), counts_t.asnumpy()
+    want = numpy_dispatch(idx, e, r)
+    np.testing.assert_array_equal(dest, want[0])
+    np.testing.assert_array_equal(tok, want[1])
+    np.testing.assert_array_equal(counts, want[2])
+    assert counts[:, e - 1].sum() == 0 if r == 1 else (dest == -1).any()
+
+    x = data.standard_normal((m, d)).astype(np.float32)
+    g = data.standard_normal((m * k, d)).astype(np.float32)
+    gather = K.KernelMoEGather()
+    rows_x = np.concatenate([x, np.zeros((1, d), np.float32)])[tok]  # -1: the zero row
+    np.testing.assert_array_equal(gather(Tensor(x), tok_t, dest_t).asnumpy(), rows_x)
+    dx = grads(lambda a: (gather(a, tok_t, dest_t) * Tensor(g)).sum(), (x,), 0)
+    g_pad = np.concatenate([g.astype(np.float64), np.zeros((1, d))])
+    np.testing.assert_allclose(dx.asnumpy(), g_pad[dest].sum(1), rtol=1e-6, atol=1e-6)
+
+    xs = data.standard_normal((m * k, d)).astype(np.float32)
+    w = data.random((m, k)).astype(np.float32)
+    base = data.standard_normal((m, d)).astype(np.float32)
+    gy = data.standard_normal((m, d)).astype(np.float32)
+    comb = K.KernelMoECombine()
+    y = comb(Tensor(xs), Tensor(w), dest_t, Tensor(base)).asnumpy()
+    rows = np.concatenate([xs.astype(np.float64), np.zeros((1, d))])[dest]  # [M, k, D]
+    np.testing.assert_allclose(y, (w[..., None] * rows).sum(1) + base, rtol=1e-5, atol=1e-5)
+    dxs, dw, dbase = grads(lambda a, b, c: (comb(a, b, dest_t, c) * Tensor(gy)).sum(),
+                           (xs, w, base), (0, 1, 2))  # fmt: skip
+    want_dxs = np.zeros((m * k + 1, d))
+    want_dxs[dest.reshape(-1)] = (w[..., None] * gy[:, None, :]).reshape(m * k, d)
+    want_dxs[-1] = 0.0  # the slots of other ranks wrote their row "-1": none here
+    np.testing.assert_allclose(dxs.asnumpy(), want_dxs[:-1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dw.asnumpy(), (rows * gy[:, None, :]).sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(dbase.asnumpy(), gy)
+
+    lib = ctypes.CDLL(str(K.library_path()))
+    if r == 1:
+        bad = idx.copy()
+        bad[-1, -1] = e  # an expert that does not exist
+        out = [np.zeros((m, k), np.int32), np.zeros(m * k, np.int32), np.zeros((1, e), np.int32)]
+        assert aot_call(lib, "mindloom_moe_plan", [bad, np.zeros((1, e), np.int32), *out]) != 0
+    far = tok.copy()
+    far[0] = m  # a token past x
+    assert aot_call(lib, "mindloom_moe_gather", [x, far, np.zeros((m * k, d), np.float32)]) != 0
+    far = dest.copy()
+    far[0, 0] = m * k  # a row past the buffer
+    y_out = np.zeros((m, d), np.float32)
+    assert aot_call(lib, "mindloom_moe_combine", [xs, w, far, base, y_out]) != 0
+
+
 # ----------------------------------------------------------------------------- whole model
 
 

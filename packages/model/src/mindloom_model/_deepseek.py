@@ -286,6 +286,10 @@ def _install_kernels(model: DeepseekV3) -> None:
                 cell.grouped = _kernels.KernelGroupedMatMul()
         elif isinstance(cell, Router):
             cell.select = _kernels.KernelRoute(cell.k, cell.n_group, cell.topk_group)
+        elif isinstance(cell, MoE):
+            cell.plan = _kernels.KernelMoEPlan()
+            cell.gather_rows = _kernels.KernelMoEGather()
+            cell.combine_rows = _kernels.KernelMoECombine()
         elif isinstance(cell, MLAttention) and model.config.dropout == 0:
             cell.kernel = _kernels.KernelRopeAttention(cell.scale)
             model.kernel_attention = True

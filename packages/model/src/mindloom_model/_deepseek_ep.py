@@ -52,11 +52,25 @@ class ExpertParallelMoE:
         xg = rows[:, :d].astype(flat.dtype)
         wg = rows[:, d : d + k]
         ig = ops.stop_gradient(rows[:, d + k :]).astype(ms.int32)  # [M, k] global ids
-        one = ops.one_hot(ig, self.e, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-        mine = one[:, :, self.ep_start : self.ep_start + el]  # [M, k, E_local]
-        part = self._dropless_blocks(xg, mine, wg, partial=True)  # [M, D]
+        if self.plan is not None and self.experts.grouped is not None:
+            part = self._ep_fused(xg, ig, wg, n)
+        else:
+            one = ops.one_hot(ig, self.e, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+            mine = one[:, :, self.ep_start : self.ep_start + el]  # [M, k, E_local]
+            part = self._dropless_blocks(xg, mine, wg, partial=True)  # [M, D]
         y = self.ep_out(part.astype(ms.float32).expand_dims(0))[0]  # [N, D]
         return y.reshape(n, d).astype(flat.dtype)
+
+    def _ep_fused(self, xg, ig, wg, n: int):
+        """The kernels' dropless path (MoE._dropless_fused) on the group's rows: xg [M, D],
+        global ids ig [M, k], weights wg [M, k] -> this rank's partial outputs [M, D]. The
+        plan takes the ids relative to this rank's first expert (others' slots fall
+        outside [0, E_local)) and counts each expert's rows per source rank."""
+        ranks = xg.shape[0] // n
+        spec = ops.zeros((ranks, self.ep_local), ms.int32)
+        dest, row_token, counts = self.plan(ig - self.ep_start, spec)
+        ys = self.experts(self.gather_rows(xg, row_token, dest), counts=counts)
+        return self.combine_rows(ys, wg, dest, ops.zeros_like(xg))
 
     def _ep_capacity(self, flat, idx, w, assign):
         """With a capacity factor: -> (y [N, D], this rank's dropped slots)."""

@@ -174,6 +174,13 @@ class MLAttention(nn.Cell):
         sel = np.zeros((dr, r + dr), np.float32)
         sel[:, r:] = np.eye(dr, dtype=np.float32)
         self.k_rope_sel = Tensor(sel)
+        # [I_r, 0] [r, r + dr]: kv_b_proj's weight times it is the weight with dr zero
+        # columns appended. A product, not a concat: a parameter inside a concat made
+        # MindSpore load every later kernel's weights twice (forward and backward) and copy
+        # them (TensorMove: ~74 copies per deepseek-v3-small step, 16 MB of expert weights)
+        pad = np.zeros((r, r + dr), np.float32)
+        pad[:, :r] = np.eye(r, dtype=np.float32)
+        self.k_pad = Tensor(pad)
         # table columns: 0 = the nope constant (cos 1, sin 0), 1 + j = the rope table's j
         self.table_cols = Tensor(
             np.concatenate([np.zeros(dn // 2), 1 + np.arange(dr // 2),
@@ -234,7 +241,7 @@ class MLAttention(nn.Cell):
         c = self.kv_a_norm(ckv[..., :r])  # [B, S, r]
         lat = ops.concat((c, ckv[..., r:]), -1).reshape(b * s, r + dr)  # rope key unrotated
         w = self.kv_b_proj.weight  # [H*(dn+dv), r]
-        wk = ops.concat((ops.concat((w, ops.zeros((w.shape[0], dr), w.dtype)), -1),
+        wk = ops.concat((ops.matmul(w, self.k_pad.astype(w.dtype)),
                          self.k_rope_sel.astype(w.dtype)), 0)  # fmt: skip
         k = self.mm_t(lat, ops.gather(wk, self.k_rows, 0)).reshape(b, s, h, qk)
         wv = ops.gather(w, self.v_rows, 0)  # [H*dv, r]

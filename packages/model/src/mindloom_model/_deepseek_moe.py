@@ -178,6 +178,10 @@ class MoE(ExpertParallelMoE, nn.Cell):
         self.compute_dtype = compute_dtype
         self.scale_rows = _ScaleRows()
         self.scatter_tokens = _ScatterRows()
+        # the fused dispatch's kernels (_kernels.KernelMoEPlan, KernelMoEGather,
+        # KernelMoECombine), set by the model's _install_kernels; see _dropless_fused
+        self.plan = self.gather_rows = self.combine_rows = None
+        self.expert_slots = Tensor(np.zeros((1, self.e), np.int32))  # the plan reads [R, E] off it
         self._init_expert_parallel()  # the exchange cells; None on one process
 
     # dropless dispatch: "blocks" sorts the routed (token, expert) slots by expert into
@@ -258,6 +262,19 @@ class MoE(ExpertParallelMoE, nn.Cell):
         like = ops.zeros((n + 1, 1), ms.float32)  # the output's row count, no gradient
         return self.scatter_tokens(ys, row_token, like)[1:]  # [N, D]
 
+    def _dropless_fused(self, flat, idx, w):
+        """The kernels' dropless path: flat [N, D], idx [N, k], w [N, k] -> (y [N, D] with
+        the shared experts' output added, load [E]). _dropless_blocks' grouped dispatch
+        in three kernels: the plan sorts the slots by expert (dest [N, k], row_token [S],
+        counts [1, E]), the tokens are gathered into [S, D], the experts run as grouped
+        GEMMs, and one combine weighs each token's k rows and adds the shared output."""
+        dest, row_token, counts = self.plan(ops.stop_gradient(idx), self.expert_slots)
+        xs = self.gather_rows(flat, row_token, dest)  # [S, D] sorted by expert
+        ys = self.experts(xs, counts=counts)  # [S, D]
+        base = self.shared(flat) if self.has_shared else ops.zeros_like(flat)
+        y = self.combine_rows(ys, w, dest, base.astype(ys.dtype))  # [N, D]
+        return y, ops.stop_gradient(counts.reshape(-1).astype(ms.float32))
+
     def _blocks_experts(self, xs, ends, nb: int, t: int):
         """xs [nb, T, D] blocks of rows, ends [E] where each expert's padded rows end ->
         the experts over the blocks [nb, T, D]."""
@@ -282,15 +299,21 @@ class MoE(ExpertParallelMoE, nn.Cell):
         assign = one.sum(1)  # [N, E] 0/1
         combine = (one * w.expand_dims(-1)).sum(1)  # [N, E] fp32
         load = ops.stop_gradient(assign.sum(0))  # [E]
-        if self.ep_in is not None and (self.capacity_factor is None or not self.training):
+        dropless = self.capacity_factor is None or not self.training
+        fused = self.plan is not None and self.experts.grouped is not None and dropless
+        fused = fused and self.ep_in is None and self.dropless == "blocks"
+        if fused:
+            y, load = self._dropless_fused(flat, idx, w)  # the shared output included
+            dropped = ops.zeros((), ms.float32)
+        elif self.ep_in is not None and dropless:
             y = self._expert_parallel(flat, idx, w)
             dropped = ops.zeros((), ms.float32)
         elif self.ep_in is not None:
             y, dropped = self._ep_capacity(flat, idx, w, assign)
-        elif (self.capacity_factor is None or not self.training) and self.dropless == "dense":
+        elif dropless and self.dropless == "dense":
             y = self._dropless_dense(flat, combine)
             dropped = ops.zeros((), ms.float32)
-        elif self.capacity_factor is None or not self.training:
+        elif dropless:
             y = self._dropless_blocks(flat, one, w)
             dropped = ops.zeros((), ms.float32)
         else:
@@ -306,7 +329,7 @@ class MoE(ExpertParallelMoE, nn.Cell):
             ys = ys * wt.expand_dims(-1).astype(ys.dtype)
             y = ops.unsorted_segment_sum(ys.reshape(-1, d), tok.reshape(-1), n)
             dropped = ops.stop_gradient(assign.sum() - keep.sum())
-        if self.has_shared:
+        if self.has_shared and not fused:
             y = y + self.shared(flat)
         aux = ops.zeros((), ms.float32)
         if self.aux_weight > 0:

@@ -23,7 +23,12 @@ __all__ = ["build_library", "buildable"]
 
 _HERE = Path(__file__).parent / "_kernels"
 # compiled into one library
-_SOURCES = [_HERE / "kernels.cpp", _HERE / "attention.cpp", _HERE / "experts.cpp"]
+_SOURCES = [
+    _HERE / "kernels.cpp",
+    _HERE / "attention.cpp",
+    _HERE / "experts.cpp",
+    _HERE / "dispatch.cpp",
+]
 _HEADERS = [_HERE / "kernels.h"]
 _FLAGS = [
     "-O3",

@@ -1,5 +1,5 @@
-"""Fused CPU kernels (kernels.cpp, attention.cpp, experts.cpp, kernels.h) as MindSpore AOT
-custom operators, each with its bprop.
+"""Fused CPU kernels (kernels.cpp, attention.cpp, experts.cpp, dispatch.cpp, kernels.h) as
+MindSpore AOT custom operators, each with its bprop.
 
 The C++ source ships in the package and is compiled on first use into the user's cache,
 `$MINDLOOM_CACHE_DIR` or `$XDG_CACHE_HOME/mindloom` or `~/.cache/mindloom`, under
@@ -37,6 +37,9 @@ __all__ = [
     "adamw_kernel",
     "KernelGroupedMatMul",
     "KernelRoute",
+    "KernelMoEPlan",
+    "KernelMoEGather",
+    "KernelMoECombine",
     "square_sums_kernel",
 ]
 
@@ -290,3 +293,70 @@ class KernelRoute(nn.Cell):
 
     def bprop(self, choice, out, dout):
         return (ops.zeros_like(choice),)
+
+
+class KernelMoEPlan(nn.Cell):
+    """The dropless dispatch's plan (dispatch.cpp): (idx [M, k] int32 expert ids, experts
+    [R, E] int32, only its shape read) -> (dest [M, k] int32: the row of each (token,
+    expert) slot in the expert-sorted buffer; row_token [M k] int32: the token each row
+    holds; counts [R, E] int32: each expert's rows per source rank, KernelGroupedMatMul's
+    counts). One call for the one-hot ranks, cumsums and segment sums the portable
+    dispatch runs. R = 1: every id must be in [0, E). R > 1 (expert parallel: the
+    group's tokens rank by rank, ids minus this rank's first expert): ids outside [0, E)
+    are other ranks' slots (dest -1) and rows past this rank's slots hold no token (-1).
+    No gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.op = _op(
+            "moe_plan",
+            lambda i, e: (i, [i[0] * i[1]], e),
+            lambda i, e: (ms.int32, ms.int32, ms.int32),
+        )
+
+    def construct(self, idx, experts):
+        return self.op(idx, experts)
+
+    def bprop(self, idx, experts, out, dout):
+        return ops.zeros_like(idx), ops.zeros_like(experts)
+
+
+class KernelMoEGather(nn.Cell):
+    """(x [M, D] fp32, row_token [S] int32, dest [M, k] int32) -> xs [S, D] = x[row_token]
+    (a zero row where row_token is -1); its backward sums each token's k rows (dest, -1
+    skipped), in slot order: a gather each way where MindSpore's Gather backward is a
+    scatter-add (UnsortedSegmentSum) into a zeroed buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("moe_gather", lambda x, t: [t[0], x[1]], lambda x, t: _f32)
+        self.bwd = _op("moe_gather_bwd", lambda g, d: [d[0], g[1]], lambda g, d: _f32)
+
+    def construct(self, x, row_token, dest):
+        return self.fwd(x, row_token)
+
+    def bprop(self, x, row_token, dest, out, dout):
+        return self.bwd(dout, dest), ops.zeros_like(row_token), ops.zeros_like(dest)
+
+
+class KernelMoECombine(nn.Cell):
+    """(xs [S, D] fp32 expert outputs, w [M, k] fp32 weights, dest [M, k] int32, base [M, D]
+    fp32) -> y [M, D], y[m] = sum_j w[m, j] xs[dest[m, j]] + base[m] (base: the shared
+    experts' output; slots with dest -1 add nothing). Backward: xs's rows scaled by their
+    slot's weight (unused rows zero), w's gradient as row dot products (0 for dest -1),
+    base's the output's. One op each way for the row scaling, segment sum, slice and add
+    (and their backward) of the portable combine."""
+
+    def __init__(self):
+        super().__init__()
+        self.fwd = _op("moe_combine", lambda x, w, d, b: b, lambda x, w, d, b: _f32)
+        self.bwd = _op(
+            "moe_combine_bwd", lambda g, x, w, d: (x, w), lambda g, x, w, d: (_f32, _f32)
+        )
+
+    def construct(self, xs, w, dest, base):
+        return self.fwd(xs, w, dest, base)
+
+    def bprop(self, xs, w, dest, base, out, dout):
+        dxs, dw = self.bwd(dout, xs, w, dest)
+        return dxs, dw, ops.zeros_like(dest), dout
