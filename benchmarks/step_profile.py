@@ -1,12 +1,13 @@
 """Where the time of one compiled mindloom train step goes, op by op (MindSpore's CPU profiler).
 
     ./dev bench benchmarks/step_profile.py [--preset shakespeare-char] [--batch 12]
-        [--kernels auto|portable] [--steps 20] [--threads 2] [--top 25]
+        [--kernels auto|portable] [--steps 20] [--threads 2] [--top 25] [--no-mtp]
 
 Builds the step `benchmarks/train_step.py` times (mindloom_train's TrainStep: forward,
 loss, backward, grad-norm clip, guards, AdamW; one GRAPH_MODE graph) on the nanoGPT
 recipe's model (`shakespeare-char`, 344-wide SwiGLU as configs/nanogpt-shakespeare-char.yaml
-sets it) or any preset, compiles and warms it up, then runs `--steps` steps under
+sets it) or any preset (a deepseek_v3 preset: DeepseekV3WithLoss's total loss through the same
+TrainStep, the step `benchmarks/moe_step.py` times; `--no-mtp` as its `moe` key), compiles and warms it up, then runs `--steps` steps under
 `mindspore.Profiler` (CPU op timing: the runtime stamps every kernel launch's start and
 duration) and reads the raw per-op records (`cpu_op_execute_timestamp_*.txt`). Prints:
 the step's wall time with and without the profiler and its CPU time; from the first op's
@@ -105,6 +106,33 @@ def read_ops(root: str, steps: int) -> list[tuple[str, str, list[tuple[float, fl
     return out
 
 
+def deepseek_train_step(cfg, data):
+    """The DeepSeek-V3 step `benchmarks/moe_step.py` times (DeepseekV3WithLoss's total loss
+    through TrainStep), as a no-argument callable -> loss."""
+    import mindspore as ms
+    from mindloom_model import DeepseekV3, DeepseekV3WithLoss
+    from mindloom_train import TrainStep, decay_flags, hyper_vector
+    from mindspore import Tensor, nn
+
+    class TotalLoss(nn.Cell):
+        def __init__(self, net):
+            super().__init__(auto_prefix=False)
+            self.net = net
+
+        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
+            return self.net(tokens, labels, position_ids, segment_ids, loss_mask)[0]
+
+    net = TotalLoss(DeepseekV3WithLoss(DeepseekV3(cfg, seed=0)))
+    weights = ms.ParameterTuple(net.trainable_params())
+    step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
+    step.set_train(True)
+    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
+    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
+    ms_in = [Tensor(data[k]) for k in keys]
+    return lambda: float(step(*ms_in, hyper)[0].asnumpy())
+
+
 def rope_outside(net) -> None:
     """Puts `net`'s attention back to session 13's path: RoPE (and q's scale) as MindSpore
     ops before the fused kernel (`KernelAttention`), for --rope-ab."""
@@ -166,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-mtp", action="store_true",
+                   help="deepseek_v3 presets: no MTP depth (moe_step.py's `moe` key)")  # fmt: skip
     p.add_argument("--rope-ab", action="store_true",
                    help="no profile: RoPE inside the attention kernel vs before it, interleaved")  # fmt: skip
     args = p.parse_args(argv)
@@ -178,13 +208,21 @@ def main(argv=None) -> int:
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
     bench = load_train_step()
     ffn = args.ffn or (344 if args.preset == "shakespeare-char" else None)
-    cfg = get_preset(args.preset, kernels=args.kernels,
-                     **({"ffn_hidden_size": ffn} if ffn else {}))  # fmt: skip
+    over = {"ffn_hidden_size": ffn} if ffn else {}
+    if args.no_mtp:
+        over["num_nextn_predict_layers"] = 0
+    cfg = get_preset(args.preset, kernels=args.kernels, **over)
+    deepseek = cfg.family == "deepseek_v3"
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"{args.preset} batch {args.batch}, kernels={args.kernels}, {args.threads} threads")  # fmt: skip
     if args.rope_ab:
+        if deepseek:
+            raise SystemExit("error: --rope-ab runs the Llama attention; not a deepseek_v3 preset")
         return rope_ab(args, bench, cfg)
-    step = bench._ms_train_step(cfg, bench.make_batch(cfg, args.batch), args.kernels)
+    if deepseek:  # plain causal rows, as moe_step.py's transformers peer takes them
+        step = deepseek_train_step(cfg, bench.make_batch(cfg, args.batch, segments=False))
+    else:
+        step = bench._ms_train_step(cfg, bench.make_batch(cfg, args.batch), args.kernels)
     step()  # compiles
     for _ in range(3):
         step()
