@@ -102,6 +102,9 @@ def train_step_module():
         "_train_step_bench", os.path.join(HERE, "train_step.py")
     )
     mod = importlib.util.module_from_spec(spec)
+    # registered: MindSpore resolves a cell class defined there (deepseek_loss_net) by
+    # its module's name when it compiles the graph
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -122,25 +125,10 @@ def say(kind, payload):
 
 def mindspore_models(args, tsb):
     import mindspore as ms
-    from mindloom_model import DeepseekV3, DeepseekV3WithLoss, Llama, LlamaWithLoss, MoE, get_preset
-    from mindloom_train import TrainStep, decay_flags, hyper_vector
-    from mindspore import Tensor, nn
+    from mindloom_model import DeepseekV3, Llama, LlamaWithLoss, MoE, get_preset
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU", runtime_num_threads=args.threads)
 
-    class TotalLoss(nn.Cell):
-        """DeepseekV3WithLoss's first output: TrainStep differentiates a scalar loss."""
-
-        def __init__(self, net):
-            super().__init__(auto_prefix=False)
-            self.net = net
-
-        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
-            return self.net(tokens, labels, position_ids, segment_ids, loss_mask)[0]
-
-    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
-    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
     wanted = [k for k in MS_KEYS if not args.only or k in args.only.split(",")]
     out = {}
     for key in wanted:
@@ -168,17 +156,10 @@ def mindspore_models(args, tsb):
                         cell[1].experts.weights_by = "gather"
                     if key == "moe-t32":
                         cell[1].block_rows = 32
-            net, batch = TotalLoss(DeepseekV3WithLoss(model)), args.moe_batch
+            net, batch = tsb.deepseek_loss_net(model), args.moe_batch
             # plain causal rows: the transformers peer takes no packed-document mask
             data = tsb.make_batch(cfg, batch, segments=False)
-        weights = ms.ParameterTuple(net.trainable_params())
-        step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
-        step.set_train(True)
-        inputs = [Tensor(data[k]) for k in keys]
-
-        def run(step=step, inputs=inputs):
-            return float(step(*inputs, hyper)[0].asnumpy())
-
+        run = tsb.compiled_step(net, data)
         t = time.perf_counter()
         loss = run()
         compile_s = time.perf_counter() - t

@@ -75,6 +75,9 @@ def phase(full_name: str) -> str:
 def load_train_step():
     spec = importlib.util.spec_from_file_location("_bench_train_step", _HERE / "train_step.py")
     mod = importlib.util.module_from_spec(spec)
+    # registered: MindSpore resolves a cell class defined there (deepseek_loss_net) by
+    # its module's name when it compiles the graph
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -104,33 +107,6 @@ def read_ops(root: str, steps: int) -> list[tuple[str, str, list[tuple[float, fl
                 typ = "Custom " + scopes[-2].rsplit("-", 1)[-1]
             out.append((parts[0], typ, runs))
     return out
-
-
-def deepseek_train_step(cfg, data):
-    """The DeepSeek-V3 step `benchmarks/moe_step.py` times (DeepseekV3WithLoss's total loss
-    through TrainStep), as a no-argument callable -> loss."""
-    import mindspore as ms
-    from mindloom_model import DeepseekV3, DeepseekV3WithLoss
-    from mindloom_train import TrainStep, decay_flags, hyper_vector
-    from mindspore import Tensor, nn
-
-    class TotalLoss(nn.Cell):
-        def __init__(self, net):
-            super().__init__(auto_prefix=False)
-            self.net = net
-
-        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
-            return self.net(tokens, labels, position_ids, segment_ids, loss_mask)[0]
-
-    net = TotalLoss(DeepseekV3WithLoss(DeepseekV3(cfg, seed=0)))
-    weights = ms.ParameterTuple(net.trainable_params())
-    step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
-    step.set_train(True)
-    hyper = hyper_vector(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                         adam_step=1, clip=1.0, spike=None, loss_scale=1.0)  # fmt: skip
-    keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
-    ms_in = [Tensor(data[k]) for k in keys]
-    return lambda: float(step(*ms_in, hyper)[0].asnumpy())
 
 
 def rope_outside(net) -> None:
@@ -219,10 +195,9 @@ def main(argv=None) -> int:
         if deepseek:
             raise SystemExit("error: --rope-ab runs the Llama attention; not a deepseek_v3 preset")
         return rope_ab(args, bench, cfg)
-    if deepseek:  # plain causal rows, as moe_step.py's transformers peer takes them
-        step = deepseek_train_step(cfg, bench.make_batch(cfg, args.batch, segments=False))
-    else:
-        step = bench._ms_train_step(cfg, bench.make_batch(cfg, args.batch), args.kernels)
+    # a deepseek_v3 step on plain causal rows, as moe_step.py's transformers peer takes them
+    data = bench.make_batch(cfg, args.batch, segments=not deepseek)
+    step = bench._ms_train_step(cfg, data, args.kernels)
     step()  # compiles
     for _ in range(3):
         step()

@@ -212,19 +212,30 @@ def ms_step_fn(name, batch, args, kernels):
     return _ms_train_step(cfg, make_batch(cfg, batch, segments=not args.no_segments), kernels)
 
 
-def _ms_train_step(cfg, data, kernels, patch=None):
-    """One compiled mindloom train step on `data`, as a no-argument callable -> loss;
-    `patch(net)` may change the loss net before the step is built (step_profile.py)."""
+def deepseek_loss_net(model):
+    """DeepseekV3WithLoss(model)'s first output (the total loss) as a cell: TrainStep
+    differentiates a scalar loss (moe_step.py and step_profile.py time this step)."""
+    from mindloom_model import DeepseekV3WithLoss
+    from mindspore import nn
+
+    class TotalLoss(nn.Cell):
+        def __init__(self, net):
+            super().__init__(auto_prefix=False)
+            self.net = net
+
+        def construct(self, tokens, labels, position_ids, segment_ids, loss_mask):
+            return self.net(tokens, labels, position_ids, segment_ids, loss_mask)[0]
+
+    return TotalLoss(DeepseekV3WithLoss(model))
+
+
+def compiled_step(net, data):
+    """mindloom_train's TrainStep over the loss cell `net` on `data`, as a no-argument
+    callable -> loss (its first call compiles)."""
     import mindspore as ms
-    from mindloom_model import Llama, LlamaWithLoss
     from mindloom_train import TrainStep, decay_flags, hyper_vector
     from mindspore import Tensor
 
-    net = LlamaWithLoss(Llama(cfg))
-    if kernels == "auto" and net.model.loss_kernel is None:
-        raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
-    if patch is not None:
-        patch(net)
     weights = ms.ParameterTuple(net.trainable_params())
     step = TrainStep(net, weights, decay_flags(weights, decay_embeddings=False))
     step.set_train(True)
@@ -233,6 +244,25 @@ def _ms_train_step(cfg, data, kernels, patch=None):
     keys = ("tokens", "labels", "position_ids", "segment_ids", "loss_mask")
     ms_in = [Tensor(data[k]) for k in keys]
     return lambda: float(step(*ms_in, hyper)[0].asnumpy())
+
+
+def _ms_train_step(cfg, data, kernels, patch=None):
+    """One compiled mindloom train step on `data`, as a no-argument callable -> loss;
+    `patch(net)` may change the loss net before the step is built (step_profile.py). A
+    deepseek_v3 config trains DeepseekV3 (seed 0) on its total loss."""
+    from mindloom_model import DeepseekV3, Llama, LlamaWithLoss
+
+    if cfg.family == "deepseek_v3":
+        model = DeepseekV3(cfg, seed=0)
+        net = deepseek_loss_net(model)
+    else:
+        model = Llama(cfg)
+        net = LlamaWithLoss(model)
+    if kernels == "auto" and model.loss_kernel is None:
+        raise SystemExit("error: model.kernels=auto but the fused kernels are unavailable")
+    if patch is not None:
+        patch(net)
+    return compiled_step(net, data)
 
 
 def kernels_ab(args) -> int:
